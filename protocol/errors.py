@@ -1,0 +1,63 @@
+"""The one error hierarchy of ovt.
+
+Every error a user or a peer can cause is an `OvtError`: it explains itself in one line
+(`str(err)`) and carries an exit code, so the CLI catches `OvtError` in one place and never shows
+a traceback for a user mistake. Internal bugs stay ordinary exceptions.
+"""
+
+from __future__ import annotations
+
+
+class OvtError(Exception):
+    """Base of all expected failures. `exit_code` is what the CLI exits with."""
+
+    exit_code = 2
+
+
+class ConfigError(OvtError):
+    """Bad user input: unknown program, bad profile string, bad option value."""
+
+
+class ProgramError(OvtError):
+    """A training program could not be loaded or does something a step may not do."""
+
+
+class LogFormatError(OvtError):
+    """Rounding-log bytes that do not decode: bad magic, truncated, non-canonical, trailing."""
+
+
+class StateFormatError(OvtError):
+    """State bytes that do not decode as the canonical state encoding (SPEC §2 "State")."""
+
+
+class LogMismatchError(OvtError):
+    """A rounding log whose structure (site count, site sizes) differs from the replayed step.
+
+    SPEC §3.3: the same program replays the same site sequence, so any difference means the log
+    belongs to another program, config or step.
+    """
+
+
+class LogViolationError(OvtError):
+    """A logged rounding decision where no choice existed (SPEC §3.2, validity rule).
+
+    Raised in replay when a logged element's replayed value lies at distance d >= 2*tau from the
+    rounding boundary. Carries the step, site, op, flat element index and d.
+    """
+
+    exit_code = 3
+
+    def __init__(self, step: int | None, site: int, op: str, index: int, distance: float,
+                 tau: float) -> None:
+        self.step, self.site, self.op = step, site, op
+        self.index, self.distance, self.tau = index, distance, tau
+        where = f"step {step}, " if step is not None else ""
+        super().__init__(
+            f"log violation at {where}site {site} ({op}), element {index}: replayed value is "
+            f"{distance:.6f} target ULP from the rounding boundary, outside the band "
+            f"2*tau = {2 * tau:g}; the log claims a rounding choice that did not exist"
+        )
+
+
+class DeterminismError(OvtError):
+    """A step did something that cannot be replayed bit-exactly (e.g. used a device RNG)."""

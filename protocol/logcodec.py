@@ -1,0 +1,499 @@
+"""The rounding-log codec (SPEC §2 "Rounding log", §3.2, §3.3).
+
+A rounding log L_t lists, for each rounding site of step t in execution order, the site's element
+count and the sparse (flat index, direction) pairs the trainer recorded; direction True means the
+magnitude was rounded up (away from zero). `encode_log` is the one canonical encoding: its SHA-256
+is the ℓ_t committed in leaf t, so a log has exactly one byte string and the decoder rejects every
+other (non-minimal varints, nonzero padding, trailing bytes).
+
+Format v1, byte layout (varint = unsigned LEB128, minimal, at most 2**63 - 1):
+
+    magic      4 bytes   b"OVTL"
+    version    u8        1
+    n_sites    varint
+    per site, in execution order:
+      numel    varint    elements in the site (all its floating outputs concatenated)
+      count    varint    logged entries, <= numel
+      deltas   count varints: first index, then idx[i] - idx[i-1] (>= 1: strictly increasing)
+      dirs     ceil(count / 8) bytes, bit i of entry i at byte i // 8, bit i % 8 (LSB first);
+               padding bits zero
+
+An empty site costs 2 bytes while numel < 128.
+
+    >>> log = RoundingLog((SiteLog(5, np.array([0, 3]), np.array([True, False])),))
+    >>> encode_log(log).hex()
+    '4f56544c01010502000301'
+    >>> decode_log(encode_log(log)) == log
+    True
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.errors import ConfigError, LogFormatError
+
+MAGIC = b"OVTL"
+VERSION = 1
+_HEADER = MAGIC + bytes([VERSION])
+_MAX_VARINT = 2**63 - 1
+_MAX_VARINT_BYTES = 9  # 9 * 7 = 63 payload bits
+_EMPTY_INDICES = np.zeros(0, dtype=np.int64)
+_EMPTY_UP = np.zeros(0, dtype=bool)
+_EMPTY_INDICES.setflags(write=False)
+_EMPTY_UP.setflags(write=False)
+
+
+@dataclass(frozen=True)
+class SiteLog:
+    """The logged decisions of one rounding site (SPEC §3.3).
+
+    numel: elements in the site; indices: int64 flat row-major indices, strictly increasing, each
+    < numel; up: bool, one direction per index (True = magnitude rounded away from zero).
+    encode_log validates these; decode_log only builds valid ones.
+    """
+
+    numel: int
+    indices: np.ndarray
+    up: np.ndarray
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SiteLog):
+            return NotImplemented
+        return (self.numel == other.numel and np.array_equal(self.indices, other.indices)
+                and np.array_equal(self.up, other.up))
+
+    def __hash__(self) -> int:
+        # Normalise dtypes so that equal sites (np.array_equal ignores dtype) hash equally.
+        return hash((self.numel, np.asarray(self.indices, dtype=np.int64).tobytes(),
+                     np.asarray(self.up, dtype=bool).tobytes()))
+
+
+@dataclass(frozen=True)
+class RoundingLog:
+    """L_t: one SiteLog per rounding site executed in the step, in execution order."""
+
+    sites: tuple[SiteLog, ...]
+
+    @property
+    def n_entries(self) -> int:
+        """Logged (index, direction) pairs over all sites."""
+        return sum(len(site.indices) for site in self.sites)
+
+    @property
+    def n_elements(self) -> int:
+        """Elements rounded over all sites (logged or not)."""
+        return sum(site.numel for site in self.sites)
+
+
+# ---------------------------------------------------------------------------------------------
+# Varints (unsigned LEB128)
+
+
+def _varint_lengths(values: np.ndarray) -> np.ndarray:
+    """Bytes of the minimal LEB128 encoding of each value (uint64 array)."""
+    lengths = np.ones(values.shape, dtype=np.int64)
+    for k in range(1, _MAX_VARINT_BYTES):  # a loop over byte positions, not elements
+        lengths += values >= np.uint64(1 << (7 * k))
+    return lengths
+
+
+def _encode_varints(values: np.ndarray) -> bytes:
+    """Minimal LEB128 bytes of each value (integer array, 0 <= value <= 2**63 - 1), concatenated.
+
+    Vectorised: one pass per byte position writes that byte of every value long enough to have it.
+    """
+    values = values.astype(np.uint64)
+    lengths = _varint_lengths(values)
+    starts = np.cumsum(lengths) - lengths
+    out = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    for k in range(_MAX_VARINT_BYTES):
+        has = lengths > k
+        payload = (values[has] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = np.where(lengths[has] > k + 1, np.uint64(0x80), np.uint64(0))
+        out[starts[has] + k] = (payload | more).astype(np.uint8)
+    return out.tobytes()
+
+
+def _encode_varint(value: int) -> bytes:
+    """Minimal LEB128 of one int — the per-site header fields, where numpy would cost more."""
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sites' entries laid end to end: (first entry of each site, rank of each entry in its site).
+
+    This is what lets the codec treat all sites' entries as one array instead of looping.
+    """
+    first = np.cumsum(counts) - counts
+    rank = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+    return first, rank
+
+
+def _site_error(k: int, message: str) -> LogFormatError:
+    return LogFormatError(f"rounding log site {k}: {message}")
+
+
+def _site_arrays(k: int, site: SiteLog) -> tuple[int, np.ndarray, np.ndarray]:
+    """Check site k's types and shapes (cheap, per site); return (numel, int64 indices, bool up).
+
+    Raises LogFormatError: an invalid log has no canonical encoding, so it must not get a digest.
+    """
+    if not isinstance(site, SiteLog):
+        raise _site_error(k, f"expected SiteLog, got {type(site).__name__}")
+    numel = site.numel
+    if isinstance(numel, bool) or not isinstance(numel, int | np.integer):
+        raise _site_error(k, f"numel must be an int, got {type(numel).__name__}")
+    if not 0 <= numel <= _MAX_VARINT:
+        raise _site_error(k, f"numel {numel} outside [0, 2**63 - 1]")
+    indices, up = np.asarray(site.indices), np.asarray(site.up)
+    if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
+        raise _site_error(k, f"indices must be a 1-D integer array, got {indices.dtype} "
+                             f"{indices.shape}")
+    if up.shape != indices.shape or (up.size and up.dtype != np.bool_):
+        raise _site_error(k, f"up must be a bool array of shape {indices.shape}, got {up.dtype} "
+                             f"{up.shape}")
+    if indices.size > numel:
+        raise _site_error(k, f"{indices.size} entries for {numel} elements")
+    return int(numel), indices.astype(np.int64, copy=False), up.astype(bool, copy=False)
+
+
+def _check_entries(numels: np.ndarray, counts: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Check every site's indices are strictly increasing in [0, numel) (SPEC §2: flat indices);
+    return the index deltas (first index, then differences) that the format stores."""
+    first, rank = _segments(counts)
+    deltas = indices.copy()
+    deltas[1:] -= indices[:-1]
+    deltas[first[counts > 0]] = indices[first[counts > 0]]
+    bad = (rank > 0) & (deltas <= 0) | (indices < 0) | (indices >= np.repeat(numels, counts))
+    if bad.any():
+        e = int(np.flatnonzero(bad)[0])
+        p = int(np.searchsorted(first, e, side="right")) - 1
+        raise _site_error(p, f"entry {e - first[p]} index {indices[e]} is not strictly increasing "
+                             f"within [0, {numels[p]})")
+    return deltas
+
+
+def _pack_directions(up: np.ndarray, counts: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """All sites' direction bits, each site padded to whole bytes (LSB first, zero padding);
+    returns the bytes and each site's end offset in them."""
+    first, rank = _segments(counts)
+    nbytes = (counts + 7) // 8
+    byte_ends = np.cumsum(nbytes)
+    bits = np.zeros(int(byte_ends[-1]) * 8 if byte_ends.size else 0, dtype=bool)
+    bits[np.repeat((byte_ends - nbytes) * 8, counts) + rank] = up
+    return np.packbits(bits, bitorder="little").tobytes(), byte_ends
+
+
+def encode_log(log: RoundingLog) -> bytes:
+    """The one canonical encoding of `log` (format v1, see the module docstring).
+
+    Raises LogFormatError if a site is invalid (unsorted, duplicate or out-of-range indices,
+    direction array of the wrong shape). Entries of all sites are validated, varint-encoded and
+    bit-packed in single vectorised passes; only the site headers are written one by one.
+    """
+    if not isinstance(log, RoundingLog):
+        raise LogFormatError(f"expected RoundingLog, got {type(log).__name__}")
+    checked = [_site_arrays(k, site) for k, site in enumerate(log.sites)]
+    numels = np.array([numel for numel, _, _ in checked], dtype=np.int64)
+    counts = np.array([indices.size for _, indices, _ in checked], dtype=np.int64)
+    indices = np.concatenate([_EMPTY_INDICES] + [indices for _, indices, _ in checked])
+    up = np.concatenate([_EMPTY_UP] + [up for _, _, up in checked])
+    deltas = _check_entries(numels, counts, indices)
+    delta_bytes = _encode_varints(deltas)
+    delta_ends = np.concatenate(([0], np.cumsum(_varint_lengths(deltas.astype(np.uint64)))))
+    dir_bytes, dir_ends = _pack_directions(up, counts)
+    entry_ends = np.cumsum(counts)
+    out = bytearray(_HEADER + _encode_varint(len(checked)))
+    delta_start = dir_start = 0
+    rows = zip(numels.tolist(), counts.tolist(), delta_ends[entry_ends].tolist(),
+               dir_ends.tolist(), strict=True)
+    for numel, count, delta_end, dir_end in rows:
+        out += _encode_varint(numel) + _encode_varint(count)
+        out += delta_bytes[delta_start:delta_end] + dir_bytes[dir_start:dir_end]
+        delta_start, dir_start = delta_end, dir_end
+    return bytes(out)
+
+
+def log_digest(data: bytes) -> bytes:
+    """ℓ_t = SHA-256 of the encoded log bytes (SPEC §2)."""
+    return hashlib.sha256(data).digest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding, in two phases: a Python loop over site headers that only locates each site's entries
+# (phase 1), then one vectorised pass that decodes and checks the entries of all sites (phase 2).
+# Header problems and truncation are therefore reported before problems inside entries.
+
+
+class _Reader:
+    """A cursor over untrusted log bytes; every failure names the byte offset."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.buf = np.frombuffer(data, dtype=np.uint8)
+        self.pos = 0
+        # Every byte with the high bit clear ends a varint if a varint covers it; from any varint
+        # start, the next `count` such bytes end `count` consecutive varints.
+        self.terminators = np.flatnonzero(self.buf < 0x80)
+        self._terminator_list = self.terminators.tolist()
+
+    @property
+    def remaining(self) -> int:
+        return len(self.data) - self.pos
+
+    def error(self, message: str, offset: int | None = None) -> LogFormatError:
+        where = self.pos if offset is None else offset
+        return LogFormatError(f"rounding log: {message} at byte offset {where}")
+
+    def skip(self, n: int, what: str) -> None:
+        if n > self.remaining:
+            raise self.error(f"truncated {what} (needs {n} bytes, {self.remaining} left)")
+        self.pos += n
+
+    def take(self, n: int, what: str) -> bytes:
+        start = self.pos
+        self.skip(n, what)
+        return self.data[start:self.pos]
+
+    def varint(self, what: str) -> int:
+        """One minimal varint <= 2**63 - 1 (scalar; header fields are one or two bytes)."""
+        start, value = self.pos, 0
+        for length, pos in enumerate(range(start, len(self.data)), start=1):
+            byte = self.data[pos]
+            value |= (byte & 0x7F) << (7 * (length - 1))
+            if byte < 0x80:
+                self.pos = pos + 1
+                if length > 1 and byte == 0:
+                    raise self.error(f"non-minimal varint ({what})", start)
+                if value > _MAX_VARINT:
+                    raise self.error(f"varint ({what}) exceeds 2**63 - 1", start)
+                return value
+            if length > _MAX_VARINT_BYTES:
+                raise self.error(f"varint ({what}) longer than 10 bytes", start)
+        raise self.error(f"truncated varint ({what})", start)
+
+    def skip_varints(self, count: int, what: str) -> int:
+        """Step over `count` varints; return the terminator number of the first one's last byte."""
+        first = bisect.bisect_left(self._terminator_list, self.pos)
+        if count > self.remaining or first + count > len(self._terminator_list):
+            raise self.error(f"truncated {what} (needs {count} varints)")
+        self.pos = self._terminator_list[first + count - 1] + 1
+        return first
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Phase 1 output: where the entries of each non-empty site lie (one array row per site)."""
+
+    site: np.ndarray               # the site number k
+    numel: np.ndarray
+    count: np.ndarray
+    delta_start: np.ndarray        # byte offset of the first index delta
+    first_terminator: np.ndarray   # number of the terminator byte that ends the first delta
+    dir_start: np.ndarray          # byte offset of the direction bytes
+
+    def site_of(self, first: np.ndarray, entry: int) -> tuple[int, int]:
+        """(site number k, rank within the site) of global entry number `entry`."""
+        p = int(np.searchsorted(first, entry, side="right")) - 1
+        return int(self.site[p]), entry - int(first[p])
+
+
+def _check_limit(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_VARINT:
+        raise ConfigError(f"{what} must be an int in [0, 2**63 - 1], got {value!r}")
+    return value
+
+
+def decode_log(data: bytes, *, max_sites: int = 10_000_000, max_numel: int = 2**48) -> RoundingLog:
+    """Parse untrusted bytes into a RoundingLog, accepting only the canonical encoding.
+
+    max_sites / max_numel bound what a peer can make us allocate or claim. Raises LogFormatError
+    (naming the byte offset and, where there is one, the site) for a wrong magic or version,
+    truncation, trailing bytes, non-minimal or oversized varints, count > numel, indices not
+    strictly increasing or >= numel, nonzero padding bits, or a limit exceeded; ConfigError for
+    bad limits.
+    """
+    _check_limit(max_sites, "max_sites")
+    _check_limit(max_numel, "max_numel")
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise LogFormatError(f"rounding log must be bytes, got {type(data).__name__}")
+    reader = _Reader(bytes(data))
+    _read_header(reader)
+    n_sites = reader.varint("site count")
+    if n_sites > max_sites:
+        raise reader.error(f"{n_sites} sites exceed the limit of {max_sites}")
+    if 2 * n_sites > reader.remaining:  # every site takes >= 2 bytes: fail before looping
+        raise reader.error(f"truncated: {n_sites} sites need >= {2 * n_sites} bytes, "
+                           f"{reader.remaining} left")
+    numels, spans = _read_layout(reader, n_sites, max_numel)
+    if reader.remaining:
+        raise reader.error(f"{reader.remaining} trailing bytes after the last site")
+    sites = [SiteLog(numel, _EMPTY_INDICES, _EMPTY_UP) for numel in numels]
+    for k, indices, up in _read_entries(reader, spans):
+        sites[k] = SiteLog(numels[k], indices, up)
+    return RoundingLog(tuple(sites))
+
+
+def _read_header(reader: _Reader) -> None:
+    magic = reader.take(len(MAGIC), "magic")
+    if magic != MAGIC:
+        raise reader.error(f"bad magic {magic!r}, expected {MAGIC!r}", 0)
+    version = reader.take(1, "version")[0]
+    if version != VERSION:
+        raise reader.error(f"unsupported version {version}, expected {VERSION}", len(MAGIC))
+
+
+def _read_layout(reader: _Reader, n_sites: int, max_numel: int) -> tuple[list[int], _Spans]:
+    """Phase 1: read every site header (SPEC §3.3: in execution order) and skip its entries."""
+    numels, rows = [], []
+    for k in range(n_sites):
+        numel = reader.varint(f"site {k} numel")
+        if numel > max_numel:
+            raise reader.error(f"site {k}: numel {numel} exceeds the limit of {max_numel}")
+        count = reader.varint(f"site {k} entry count")
+        if count > numel:
+            raise reader.error(f"site {k}: {count} entries for {numel} elements")
+        numels.append(numel)
+        if count:
+            delta_start = reader.pos
+            first_terminator = reader.skip_varints(count, f"site {k} index deltas")
+            dir_start = reader.pos
+            reader.skip(-(-count // 8), f"site {k} direction bits")
+            rows.append((k, numel, count, delta_start, first_terminator, dir_start))
+    columns = np.array(rows, dtype=np.int64).reshape(-1, 6).T
+    return numels, _Spans(*columns)
+
+
+def _read_entries(reader: _Reader,
+                  spans: _Spans) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Phase 2: yield (site number, indices, directions) of every non-empty site."""
+    if spans.site.size == 0:
+        return
+    first, rank = _segments(spans.count)
+    deltas, starts = _read_deltas(reader, spans, first, rank)
+    indices = _deltas_to_indices(reader, spans, first, rank, deltas, starts)
+    up = _read_directions(reader, spans, first, rank)
+    cuts = first[1:]
+    yield from zip(spans.site.tolist(), np.split(indices, cuts), np.split(up, cuts), strict=True)
+
+
+def _read_deltas(reader: _Reader, spans: _Spans, first: np.ndarray,
+                 rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decode every index delta (uint64) at once; return them with their byte offsets."""
+    ends = reader.terminators[np.repeat(spans.first_terminator, spans.count) + rank]
+    starts = np.empty_like(ends)
+    starts[1:] = ends[:-1] + 1
+    starts[first] = spans.delta_start
+    lengths = ends - starts + 1
+    for bad, problem in (((lengths > 1) & (reader.buf[ends] == 0), "non-minimal varint"),
+                         (lengths > _MAX_VARINT_BYTES, "varint exceeds 2**63 - 1")):
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            k, i = spans.site_of(first, e)
+            raise reader.error(f"site {k}: {problem} in index delta {i}", int(starts[e]))
+    values = np.zeros(ends.size, dtype=np.uint64)
+    for k in range(int(lengths.max(initial=0))):  # a loop over byte positions, not elements
+        has = lengths > k
+        payload = (reader.buf[starts[has] + k] & 0x7F).astype(np.uint64)
+        values[has] |= payload << np.uint64(7 * k)
+    return values, starts
+
+
+def _deltas_to_indices(reader: _Reader, spans: _Spans, first: np.ndarray, rank: np.ndarray,
+                       deltas: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Running sums of each site's deltas; every later delta >= 1 and every index < numel."""
+    # One cumsum over all sites, rebased per site. Sums are mod 2**64, but within a site every
+    # partial sum up to the first index >= numel is < numel + 2**63 <= 2**64, so the first
+    # flagged entry is the real culprit.
+    total = np.cumsum(deltas, dtype=np.uint64)
+    indices = total - np.repeat(total[first] - deltas[first], spans.count)
+    problems = (((rank > 0) & (deltas == 0), "repeats the previous index (delta 0)"),
+                (indices >= np.repeat(spans.numel.astype(np.uint64), spans.count),
+                 "index out of range [0, numel)"))
+    for bad, problem in problems:
+        if bad.any():
+            e = int(np.flatnonzero(bad)[0])
+            k, i = spans.site_of(first, e)
+            raise reader.error(f"site {k}: entry {i} {problem}", int(starts[e]))
+    return indices.astype(np.int64)
+
+
+def _read_directions(reader: _Reader, spans: _Spans, first: np.ndarray,
+                     rank: np.ndarray) -> np.ndarray:
+    """Unpack all direction bits (LSB first); padding bits must be zero (canonical)."""
+    nbytes = (spans.count + 7) // 8
+    byte_first = np.cumsum(nbytes) - nbytes
+    byte_pos = np.repeat(spans.dir_start - byte_first, nbytes) + np.arange(int(nbytes.sum()))
+    bits = np.unpackbits(reader.buf[byte_pos], bitorder="little")
+    used = np.repeat(byte_first * 8, spans.count) + rank
+    up = bits[used].astype(bool)
+    bits[used] = 0
+    if bits.any():
+        byte = int(np.flatnonzero(bits)[0]) // 8
+        p = int(np.searchsorted(byte_first, byte, side="right")) - 1
+        raise reader.error(f"site {int(spans.site[p])}: nonzero padding bits in the direction "
+                           "bytes", int(byte_pos[byte]))
+    return up
+
+
+EMPTY_LOG_DIGEST: bytes = log_digest(encode_log(RoundingLog(())))
+
+
+# ---------------------------------------------------------------------------------------------
+# Size accounting
+
+
+@dataclass(frozen=True)
+class LogSize:
+    """How big a rounding log is, against a dense encoding of every element's decision.
+
+    dense_ternary_bytes: every element as one of three decisions (nearest / up / down), packed
+    5 trits per byte (1.6 bits per element), i.e. ceil(elements / 5). Ratios are 0.0 when their
+    denominator is 0.
+    """
+
+    encoded_bytes: int
+    entries: int
+    elements: int
+
+    @property
+    def bytes_per_element(self) -> float:
+        return self.encoded_bytes / self.elements if self.elements else 0.0
+
+    @property
+    def bits_per_entry(self) -> float:
+        return 8 * self.encoded_bytes / self.entries if self.entries else 0.0
+
+    @property
+    def dense_ternary_bytes(self) -> int:
+        return -(-self.elements // 5)  # = ceil(elements * 1.6 / 8), without float error
+
+    @property
+    def ratio_to_dense(self) -> float:
+        dense = self.dense_ternary_bytes
+        return self.encoded_bytes / dense if dense else 0.0
+
+
+def size_report(log_or_bytes: RoundingLog | bytes) -> LogSize:
+    """Size figures of a log, given decoded or encoded. Raises LogFormatError for bad bytes."""
+    if isinstance(log_or_bytes, RoundingLog):
+        log, data = log_or_bytes, encode_log(log_or_bytes)
+    else:
+        data = log_or_bytes
+        log = decode_log(data)
+    return LogSize(len(data), log.n_entries, log.n_elements)

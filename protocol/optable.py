@@ -1,0 +1,137 @@
+"""Which aten ops are rounding sites, which are exact, and which are forbidden (SPEC §3.2, §3.4).
+
+The step interceptor sits below autograd, so it sees every op of the forward pass, the backward
+pass and the optimizer alike. An op is classified once, by its schema and name:
+
+- EXACT: the result is bit-identical in any precision (views, copies, comparisons, max, relu,
+  indexing, constant factories...). These run untouched on target-dtype tensors: no site.
+- RANDOM: draws from a device RNG, which is never allowed inside a step (SPEC §3.4).
+- FLOAT: everything else. Computed in the compute dtype and rounded: one site per execution.
+
+FLOAT ops are of two classes for the logging threshold (SPEC §3.1 allows tau per op class):
+- "ieee": one correctly rounded IEEE-754 operation (add, subtract, multiply, square root) on
+  target-representable inputs. IEEE-754 fixes their compute-dtype result bit for bit on every
+  conforming machine, CPU or GPU, so no replay can disagree and nothing needs logging.
+  Division is not in it (CUDA divides by a scalar as a multiplication by its reciprocal), nor is
+  add with alpha != 1 (a*alpha + b may or may not be fused into one FMA).
+- "general": everything else (matmuls, reductions, transcendental functions, fused kernels).
+
+Classifying an unknown op as FLOAT is always safe (rounding an exact result is a no-op that logs
+nothing); classifying a non-exact op as EXACT would leave hardware nondeterminism unrounded, so
+the EXACT list only names ops whose outputs are selections or copies of their inputs.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import cache
+
+import torch
+
+
+class OpKind(enum.Enum):
+    EXACT = "exact"
+    RANDOM = "random"
+    FLOAT = "float"
+
+
+_EXACT = frozenset("""
+    clone copy copy_ _foreach_copy_ contiguous detach detach_ lift_fresh lift_fresh_copy alias
+    _unsafe_view view
+    reshape resize_ set_ t t_ transpose_ squeeze_ unsqueeze_ as_strided_ _reshape_alias
+    cat stack index index_select gather masked_select take scatter scatter_ index_put index_put_
+    select_scatter slice_scatter diagonal_scatter as_strided_scatter masked_scatter masked_scatter_
+    masked_fill masked_fill_ where flip roll repeat expand_copy constant_pad_nd tril triu tril_
+    triu_ embedding sort topk nonzero unique _unique2 argmax argmin max min amax amin maximum
+    minimum max_pool2d_with_indices max_pool1d_with_indices clamp clamp_ clamp_min clamp_min_
+    clamp_max clamp_max_ hardtanh hardtanh_ relu relu_ threshold threshold_backward abs abs_ neg
+    neg_ sign sgn floor ceil round trunc floor_ ceil_ round_ trunc_ eq ne lt le gt ge eq_ ne_ lt_
+    le_ gt_ ge_ isnan isinf isfinite isneginf isposinf logical_and logical_or logical_not
+    logical_xor bitwise_and bitwise_or bitwise_not bitwise_xor any all
+    zeros zeros_like ones ones_like empty empty_like empty_strided full full_like scalar_tensor
+    new_zeros new_ones new_empty new_empty_strided new_full fill fill_ zero_ _local_scalar_dense
+    _foreach_zero_ _to_copy _has_compatible_shallow_copy_type _fused_sdp_choice is_same_size
+    is_nonzero _assert_async equal allclose isclose sym_size sym_stride sym_numel sym_storage_offset
+""".split())
+
+# Device random number generators (SPEC §3.4): never inside a step.
+_RANDOM = frozenset("""
+    bernoulli bernoulli_ native_dropout _fused_dropout normal normal_ uniform_ rand rand_like
+    randn randn_like randint randint_like randperm multinomial exponential_ geometric_
+    log_normal_ cauchy_ random_ poisson rrelu_with_noise rrelu_with_noise_ _standard_gamma
+    binomial _sample_dirichlet
+""".split())
+
+
+@cache
+def op_kind(func: torch._ops.OpOverload) -> OpKind:
+    name = func.overloadpacket.__name__
+    if name in _RANDOM:
+        return OpKind.RANDOM
+    if func._overloadname in _ACCUMULATING_OVERLOADS.get(name, ()):
+        return OpKind.FLOAT
+    if name in _EXACT or _is_view(func):
+        return OpKind.EXACT
+    return OpKind.FLOAT
+
+
+# Overloads of otherwise exact ops that add values together (scatter with a reduction).
+_ACCUMULATING_OVERLOADS = {
+    "scatter": ("reduce", "value_reduce"), "scatter_": ("reduce", "value_reduce")}
+
+
+_IEEE = frozenset("""
+    add add_ sub sub_ mul mul_ sqrt sqrt_ rsub _foreach_add _foreach_add_ _foreach_sub
+    _foreach_sub_ _foreach_mul _foreach_mul_ _foreach_sqrt _foreach_sqrt_
+""".split())
+
+
+def is_ieee_op(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """True for a single correctly rounded IEEE operation (see the module docstring)."""
+    if func.overloadpacket.__name__ not in _IEEE:
+        return False
+    position = _alpha_position(func)
+    alpha = args[position] if position is not None and position < len(args) else \
+        kwargs.get("alpha", 1)
+    return alpha == 1
+
+
+@cache
+def _alpha_position(func: torch._ops.OpOverload) -> int | None:
+    """Position of a positional `alpha` argument, where the schema has one."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "alpha" and not arg.kwarg_only:
+            return i
+    return None
+
+
+def accumulates(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """index_put with accumulate=True sums into the destination: a rounding site, not exact."""
+    if func.overloadpacket.__name__ not in ("index_put", "index_put_"):
+        return False
+    return bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
+
+
+def _is_view(func: torch._ops.OpOverload) -> bool:
+    """Ops returning an alias of an input without writing it (view, transpose, split...)."""
+    returns = func._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+# Ops that write to arguments their schema does not mark as written: native_batch_norm updates
+# running_mean and running_var (positions 3 and 4) in place when training.
+_UNANNOTATED_WRITES = {"native_batch_norm": (3, 4)}
+
+
+@cache
+def mutated_args(func: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of the arguments the op writes to (in-place and out= ops)."""
+    positions = set(_UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ()))
+    names = {func._schema.arguments[i].name for i in positions}
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            names.add(arg.name)
+            if not arg.kwarg_only:
+                positions.add(i)
+    return frozenset(positions), frozenset(names)

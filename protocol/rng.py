@@ -1,0 +1,194 @@
+"""Portable counter-based randomness (SPEC §3.4).
+
+Every random number a step uses comes from here, never from torch's or CUDA's generators: their
+bits depend on the device, the library version and sometimes the thread count. Philox4x32-10
+(Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11 — the Random123 library) is
+pure 32-bit integer arithmetic, so numpy computes the same words on every machine.
+
+A `RandomStream` is keyed by (seed, *path), e.g. `RandomStream(job_seed, "dropout", step, site)`.
+Every method reads the stream from its first word, so two draws that must be independent need two
+paths. Floating-point outputs are built without transcendental functions (libm differs across
+machines) and rounded to float32 by numpy's IEEE conversion.
+
+    >>> RandomStream(0, "example").words(2).dtype
+    dtype('uint32')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from numbers import Real
+
+import numpy as np
+import torch
+
+from protocol.errors import ConfigError
+
+# Philox4x32 constants (Random123 philox.h).
+_M0 = np.uint64(0xD2511F53)
+_M1 = np.uint64(0xCD9E8D57)
+_W0 = 0x9E3779B9
+_W1 = 0xBB67AE85
+_ROUNDS = 10
+_MASK32 = 0xFFFFFFFF
+
+_KEY_DOMAIN = b"ovt-rng-v1"
+_TAG_INT = b"i"
+_TAG_STR = b"s"
+_U64_LIMIT = 2**64
+_U24_SCALE = 2.0**-24  # (word >> 8) * 2**-24 is exact in float64
+_IRWIN_HALL_TERMS = 12  # sum of 12 U(0,1) has variance 1
+
+Shape = int | Sequence[int]
+
+
+def philox4x32(counters: np.ndarray, key: tuple[int, int]) -> np.ndarray:
+    """Philox4x32-10 of each row of `counters` ((N, 4) uint32) under `key`; returns (N, 4) uint32.
+
+    Products of two 32-bit words are taken in uint64, so the hi/lo halves are exact on any machine
+    (no reliance on signed overflow or compiler intrinsics).
+    """
+    c = [counters[:, i].astype(np.uint64) for i in range(4)]
+    k0, k1 = key
+    for r in range(_ROUNDS):  # a loop over rounds; each round is vectorised over all blocks
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        c = _philox_round(c, np.uint64(k0), np.uint64(k1))
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+def _philox_round(c: list[np.ndarray], k0: np.uint64, k1: np.uint64) -> list[np.ndarray]:
+    """One Philox S-box/P-box round on four uint64 columns holding 32-bit values."""
+    p0 = _M0 * c[0]
+    p1 = _M1 * c[2]
+    mask = np.uint64(_MASK32)
+    return [(p1 >> 32) ^ c[1] ^ k0, p1 & mask, (p0 >> 32) ^ c[3] ^ k1, p0 & mask]
+
+
+def _encode_path_item(item: object) -> bytes:
+    """Canonical bytes of one key item: type tag, u32 big-endian length, payload.
+
+    The length prefix makes the concatenation unambiguous (("ab",) and ("a", "b") differ).
+    """
+    if isinstance(item, str):
+        payload = item.encode("utf-8")
+        return _TAG_STR + len(payload).to_bytes(4, "big") + payload
+    if isinstance(item, bool) or not isinstance(item, int | np.integer):
+        raise ConfigError(f"random stream key items must be int or str, got {type(item).__name__}")
+    value = int(item)
+    if not 0 <= value < _U64_LIMIT:
+        raise ConfigError(f"random stream integers must be in [0, 2**64), got {value}")
+    return _TAG_INT + (8).to_bytes(4, "big") + value.to_bytes(8, "big")
+
+
+def derive_key(seed: int, *path: int | str) -> tuple[int, int]:
+    """The Philox key of stream (seed, *path): first 8 bytes of SHA-256 of its canonical encoding,
+    read as two big-endian uint32 words. Raises ConfigError for negative ints or other types."""
+    encoded = _KEY_DOMAIN + b"".join(_encode_path_item(item) for item in (seed, *path))
+    digest = hashlib.sha256(encoded).digest()
+    return int.from_bytes(digest[0:4], "big"), int.from_bytes(digest[4:8], "big")
+
+
+def _check_count(n: object, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ConfigError(f"{what} must be a non-negative int, got {n!r}")
+    return int(n)
+
+
+def _check_shape(shape: object) -> tuple[tuple[int, ...], int]:
+    """Normalise an int or a sequence of ints to (shape tuple, element count)."""
+    dims = (shape,) if isinstance(shape, int | np.integer) else shape
+    if not isinstance(dims, tuple | list | torch.Size):
+        raise ConfigError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    dims = tuple(_check_count(d, "shape dimension") for d in dims)
+    return dims, math.prod(dims)
+
+
+def _check_finite(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite real number, got {value!r}")
+    return float(value)
+
+
+class RandomStream:
+    """An independent stream keyed by (seed, *path). path items are ints (>= 0) or strs.
+
+    Block i of the stream is Philox4x32-10 of counter (i mod 2**32, i >> 32, 0, 0) and yields
+    four uint32 words, in order. Raises ConfigError for a negative int or another item type.
+    """
+
+    def __init__(self, seed: int, *path: int | str) -> None:
+        self.key = derive_key(seed, *path)
+
+    def words(self, n: int) -> np.ndarray:
+        """The first n uint32 words of the stream (so words(n) is a prefix of words(m), n < m)."""
+        n = _check_count(n, "word count")
+        blocks = np.arange(-(-n // 4), dtype=np.uint64)
+        counters = np.zeros((blocks.size, 4), dtype=np.uint32)
+        counters[:, 0] = blocks & np.uint64(_MASK32)
+        counters[:, 1] = blocks >> np.uint64(32)
+        return philox4x32(counters, self.key).reshape(-1)[:n]
+
+    def _unit_ints(self, n: int) -> np.ndarray:
+        """n integers in [0, 2**24): the top 24 bits of each word, so float32 holds u exactly."""
+        return (self.words(n) >> np.uint32(8)).astype(np.int64)
+
+    def uniform(self, shape: Shape, low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+        """float32 CPU tensor of values low + (high - low) * u with u on the grid k * 2**-24.
+
+        The affine map is computed in float64 and rounded once to float32, so the bits are
+        portable. Values lie in [low, high) for unit-ish bounds; for wide bounds the float32
+        rounding of the largest u may reach `high` itself. Raises ConfigError for low >= high.
+        """
+        dims, n = _check_shape(shape)
+        low, high = _check_finite(low, "low"), _check_finite(high, "high")
+        if not low < high:
+            raise ConfigError(f"uniform needs low < high, got [{low}, {high})")
+        u = self._unit_ints(n) * _U24_SCALE
+        return _float32_tensor(low + (high - low) * u, dims)
+
+    def normal(self, shape: Shape, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
+        """float32 CPU tensor, approximately normal(mean, std) — Irwin–Hall, not exact.
+
+        z = (sum of 12 grid uniforms) - 6 has mean 0 and variance 1 (minus 2**-48) and is bounded
+        by ±6; its tails are lighter than a Gaussian's. We accept that to avoid log/sqrt/cos,
+        whose last bits differ between libm builds. The sum is exact in integers, z is exact in
+        float64, and mean + std * z is rounded once to float32. Raises ConfigError for std < 0.
+        """
+        dims, n = _check_shape(shape)
+        mean, std = _check_finite(mean, "mean"), _check_finite(std, "std")
+        if std < 0:
+            raise ConfigError(f"normal needs std >= 0, got {std}")
+        total = self._unit_ints(_IRWIN_HALL_TERMS * n).reshape(n, _IRWIN_HALL_TERMS).sum(axis=1)
+        z = total * _U24_SCALE - _IRWIN_HALL_TERMS / 2
+        return _float32_tensor(mean + std * z, dims)
+
+    def keep_mask(self, shape: Shape, keep_prob: float) -> torch.Tensor:
+        """bool CPU tensor, True where word < round(keep_prob * 2**32) — an exact integer test.
+
+        keep_prob = 1 keeps everything, 0 nothing. Raises ConfigError unless 0 <= keep_prob <= 1.
+        """
+        dims, n = _check_shape(shape)
+        keep_prob = _check_finite(keep_prob, "keep_prob")
+        if not 0.0 <= keep_prob <= 1.0:
+            raise ConfigError(f"keep_prob must be in [0, 1], got {keep_prob}")
+        threshold = np.uint64(round(keep_prob * 2.0**32))  # product exact: scaling by 2**32
+        mask = self.words(n).astype(np.uint64) < threshold
+        return torch.from_numpy(mask.reshape(dims))
+
+    def permutation(self, n: int) -> np.ndarray:
+        """int64 permutation of range(n): stable argsort of 64-bit keys (two words per element).
+
+        64-bit keys make ties (which the stable sort resolves by position) vanishingly rare.
+        """
+        n = _check_count(n, "permutation size")
+        pairs = self.words(2 * n).astype(np.uint64).reshape(n, 2)
+        keys = (pairs[:, 0] << np.uint64(32)) | pairs[:, 1]
+        return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def _float32_tensor(values: np.ndarray, dims: tuple[int, ...]) -> torch.Tensor:
+    """Round float64 values to float32 (numpy, IEEE round-to-nearest-even) as a CPU tensor."""
+    return torch.from_numpy(values.astype(np.float32).reshape(dims))
