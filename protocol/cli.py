@@ -15,7 +15,7 @@ from pathlib import Path
 from . import profiles
 from .errors import ConfigError, OvtError
 from .precision import PrecisionPolicy
-from .programs.registry import BUILTIN
+from .programs.registry import BUILTIN, load_program
 from .replaycheck import CheckResult, SideSpec, replay_check
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
@@ -96,6 +96,7 @@ def _replay_check(args) -> int:
     auditor_profile = profiles.Profile.parse(args.auditor_profile)
     probe = _probe_steps(args.probe_steps, args.steps)
     config = dict(_config_item(item) for item in args.set)
+    load_program(args.program, config, args.preset)  # bad program or config: fail before running
     with tempfile.TemporaryDirectory(prefix="ovt-replay-check-") as tmp:
         run_dir = str(args.run_dir or tmp)
         common = dict(program=args.program, preset=args.preset, config=config, seed=args.seed,

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import DeterminismError
 from .optable import OpKind, accumulates, is_ieee_op, mutated_args, op_kind
@@ -51,6 +51,50 @@ def _to_bfloat16(x: float) -> float:
 _SCALAR_ROUNDERS = {torch.float32: _to_float32, torch.bfloat16: _to_bfloat16}
 
 
+class WidenCache:
+    """Compute-dtype copies of the target tensors already widened during one step.
+
+    The backward pass reads the weights and activations the forward pass read, so widening
+    everything afresh repeats ~45% of all widening traffic. An entry is keyed by the tensor's
+    memory and geometry and checked against its version counter; and since a write through an
+    alias with its own counter (`p.data.mul_(...)`) bumps no counter the entry sees, every write
+    the interceptor executes also drops the entries of the storage written (`forget`). An entry
+    holds its source tensor, so that memory cannot be freed and handed to another tensor while
+    the entry lives. Entries stop being added once `budget_bytes` are held.
+    """
+
+    def __init__(self, compute: torch.dtype, budget_bytes: int = 512 * 2**20) -> None:
+        self.compute, self.budget, self.held = compute, budget_bytes, 0
+        self.entries: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.by_storage: dict[tuple, list[tuple]] = {}
+
+    def widen(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.data_ptr(), t.shape, t.stride(), t.device)
+        hit = self.entries.get(key)
+        if hit is not None and hit[1] == t._version:
+            return hit[2]
+        wide = t.to(self.compute)
+        size = wide.numel() * wide.element_size()
+        if self.held + size <= self.budget:
+            self.entries[key] = (t, t._version, wide)
+            self.by_storage.setdefault(_storage_key(t), []).append(key)
+            self.held += size
+        return wide
+
+    def forget(self, written) -> None:
+        """Drop every entry over the storage of `written` (a tensor or a list of them)."""
+        for t in written if isinstance(written, (list, tuple)) else (written,):
+            if isinstance(t, torch.Tensor):
+                for key in self.by_storage.pop(_storage_key(t), ()):
+                    entry = self.entries.pop(key, None)
+                    if entry is not None:
+                        self.held -= entry[2].numel() * entry[2].element_size()
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.device)
+
+
 class RoundingMode(TorchDispatchMode):
     """Computes each FLOAT op in `policy.compute` and rounds its results through `rounder`.
 
@@ -62,6 +106,7 @@ class RoundingMode(TorchDispatchMode):
         super().__init__()
         self.policy, self.rounder, self.compute = policy, rounder, compute
         self._round_scalar = _SCALAR_ROUNDERS[policy.target]
+        self._widened = WidenCache(policy.compute)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -73,9 +118,21 @@ class RoundingMode(TorchDispatchMode):
         if kind is OpKind.EXACT and not accumulates(func, args, kwargs):
             name = func.overloadpacket.__name__
             if name in ("_to_copy", "copy_") and self._narrows(args, kwargs):
-                return self._narrowing_copy(func, args, kwargs)
-            return func(*args, **kwargs)
+                out = self._narrowing_copy(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self._forget_writes(func, args, kwargs)
+            return out
         return self._float_op(func, args, kwargs)
+
+    def _forget_writes(self, func, args, kwargs) -> None:
+        positions, names = mutated_args(func)
+        for i in positions:
+            if i < len(args):
+                self._widened.forget(args[i])
+        for name in names:
+            if name in kwargs:
+                self._widened.forget(kwargs[name])
 
     # -- FLOAT ops -----------------------------------------------------------------------------
 
@@ -87,10 +144,32 @@ class RoundingMode(TorchDispatchMode):
         wide_kwargs = {k: self._widen(v, k in names, writes, found) for k, v in kwargs.items()}
         if kwargs.get("dtype") == self.policy.target:  # a factory asked for the target dtype
             wide_kwargs["dtype"], found[0] = self.policy.compute, True
-        if not found[0]:  # no target-dtype floats involved (integer ops, other dtypes)
-            return func(*args, **kwargs)
+        if not found[0]:
+            return self._no_float_inputs(func, args, kwargs)
         out = self.compute(func, wide_args, wide_kwargs)
         return self._round_results(str(func), out, writes, is_ieee_op(func, args, kwargs))
+
+    def _no_float_inputs(self, func, args, kwargs):
+        """An op without target-dtype inputs: integer ops pass; one that still makes
+        target-dtype floats (linspace, arange(0, 1, 0.1), int / int) is re-run in the compute
+        dtype, with integer and boolean tensors widened, and rounded as a site (SPEC §3.2)."""
+        out = func(*args, **kwargs)
+        if not any(isinstance(leaf, torch.Tensor) and leaf.dtype == self.policy.target
+                   for leaf in tree_flatten(out)[0]):
+            self._forget_writes(func, args, kwargs)
+            return out
+        compute = self.policy.compute
+        wide_args, wide_kwargs = tree_map(self._widen_exact, (args, kwargs))
+        if "dtype" in {a.name for a in func._schema.arguments}:
+            wide_kwargs["dtype"] = compute
+        return self._round_results(str(func), self.compute(func, wide_args, wide_kwargs), [],
+                                   False)
+
+    def _widen_exact(self, value):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() \
+                and not value.is_complex():
+            return value.to(self.policy.compute)
+        return self._round_scalar(value) if isinstance(value, float) else value
 
     def _widen(self, value, mutable: bool, writes: list, found: list):
         target = self.policy.target
@@ -98,9 +177,10 @@ class RoundingMode(TorchDispatchMode):
             if value.dtype != target:
                 return value
             found[0] = True
+            if not mutable:  # the op only reads it: a cached copy serves
+                return self._widened.widen(value)
             wide = value.to(self.policy.compute)
-            if mutable:
-                writes.append((value, wide))
+            writes.append((value, wide))
             return wide
         if isinstance(value, float):
             return self._round_scalar(value)
@@ -125,6 +205,7 @@ class RoundingMode(TorchDispatchMode):
         rounded = self.rounder.round_site(op, ys, ieee)
         for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
             orig.copy_(r)
+            self._widened.forget(orig)
         return tree_unflatten([rounded[v] if kind == "y" else v for kind, v in slots], spec)
 
     # -- conversions into the target dtype -------------------------------------------------------

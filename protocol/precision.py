@@ -130,21 +130,23 @@ def near_boundary_mask(y: torch.Tensor, policy: PrecisionPolicy, tau: float) -> 
 
 
 def distance_to_boundary(y: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    """Exact distance d in target ULPs (compute dtype) of each value from its rounding boundary.
+    """Exact distance d in target ULPs (float64) of each value from its rounding boundary.
 
     Meant for sparse use (the candidates of the dense test, or logged elements in replay).
-    Non-finite values get d = 0.5 (never in any band).
+    The arithmetic is float64 whatever the compute dtype: the subnormal-target scaling
+    (|y| * 2**133 for bfloat16) would overflow float32. Non-finite values get d = 0.5.
     """
     fmt = policy.fmt
     shift = fmt["shift"]
     bits = y.view(fmt["int_dtype"])
-    frac = torch.bitwise_and(bits, (1 << shift) - 1).to(policy.compute) * 2.0**-shift
-    tiny = y.abs() < fmt["min_normal"]
+    frac = torch.bitwise_and(bits, (1 << shift) - 1).to(torch.float64) * 2.0**-shift
+    y64 = y.to(torch.float64)
+    tiny = y64.abs() < fmt["min_normal"]
     if bool(tiny.any()):
-        scaled = y.abs() * 2.0 ** -fmt["subnormal_ulp_exp"]  # exact: power-of-two scaling
+        scaled = y64.abs() * 2.0 ** -fmt["subnormal_ulp_exp"]  # exact: power-of-two scaling
         frac = torch.where(tiny, scaled - scaled.floor(), frac)
     d = (frac - 0.5).abs()
-    return torch.where(torch.isfinite(y), d, torch.full_like(d, 0.5))
+    return torch.where(torch.isfinite(y64), d, torch.full_like(d, 0.5))
 
 
 def rounded_up(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ State = Mapping[str, torch.Tensor]
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of `t` in logical row-major order, zero-copy on CPU."""
-    t = t.detach().to("cpu").contiguous()
+    t = t.detach().to("cpu").contiguous().reshape(-1)  # 1-D: memoryview cannot cast (0, 7)
     t = t.view(_BYTE_VIEW.get(t.dtype, t.dtype))
     return memoryview(t.numpy()).cast("B")
 
@@ -101,7 +101,10 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
     previous = None
     for _ in range(count):
         (n,) = struct.unpack("<H", take(2))
-        name = bytes(take(n)).decode("utf-8", errors="strict")
+        try:
+            name = bytes(take(n)).decode("utf-8", errors="strict")
+        except UnicodeDecodeError:
+            raise StateFormatError(f"state tensor name at byte {pos - n} is not UTF-8") from None
         if previous is not None and name <= previous:
             raise StateFormatError(f"state names not strictly sorted at {name!r}")
         (n,) = struct.unpack("<B", take(1))
