@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .errors import DeterminismError
-from .optable import OpKind, accumulates, is_ieee_op, mutated_args, op_kind
+from .optable import OpKind, accumulates, is_ieee_op, mutated_args, op_kind, op_name
 from .precision import PrecisionPolicy
 
 Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
@@ -147,7 +147,7 @@ class RoundingMode(TorchDispatchMode):
         if not found[0]:
             return self._no_float_inputs(func, args, kwargs)
         out = self.compute(func, wide_args, wide_kwargs)
-        return self._round_results(str(func), out, writes, is_ieee_op(func, args, kwargs))
+        return self._round_results(op_name(func), out, writes, is_ieee_op(func, args, kwargs))
 
     def _no_float_inputs(self, func, args, kwargs):
         """An op without target-dtype inputs: integer ops pass; one that still makes
@@ -162,7 +162,7 @@ class RoundingMode(TorchDispatchMode):
         wide_args, wide_kwargs = tree_map(self._widen_exact, (args, kwargs))
         if "dtype" in {a.name for a in func._schema.arguments}:
             wide_kwargs["dtype"] = compute
-        return self._round_results(str(func), self.compute(func, wide_args, wide_kwargs), [],
+        return self._round_results(op_name(func), self.compute(func, wide_args, wide_kwargs), [],
                                    False)
 
     def _widen_exact(self, value):
@@ -220,7 +220,8 @@ class RoundingMode(TorchDispatchMode):
     def _narrowing_copy(self, func, args, kwargs):
         """A cast into the target dtype is a rounding like any other: one site (SPEC §3.2)."""
         src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
-        (r,) = self.rounder.round_site(str(func), [src.to(self.policy.compute)])
+        (r,) = self.rounder.round_site(op_name(func), [src.to(self.policy.compute)])
         if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src)
             return args[0].copy_(r)
-        return r
+        # _to_copy: the rest of its request (device, memory format) is an exact copy of r
+        return func(r, **{k: v for k, v in kwargs.items() if k != "dtype"})

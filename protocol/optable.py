@@ -112,6 +112,12 @@ def accumulates(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
 
 
+@cache
+def op_name(func: torch._ops.OpOverload) -> str:
+    """'aten.mm.default': the name sites and reports use."""
+    return str(func)
+
+
 def _is_view(func: torch._ops.OpOverload) -> bool:
     """Ops returning an alias of an input without writing it (view, transpose, split...)."""
     returns = func._schema.returns

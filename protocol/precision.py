@@ -129,6 +129,30 @@ def near_boundary_mask(y: torch.Tensor, policy: PrecisionPolicy, tau: float) -> 
     return t < (2 * band - 1)
 
 
+def band_candidates(flat: torch.Tensor, policy: PrecisionPolicy, tau: float) -> torch.Tensor:
+    """Sorted flat indices of the elements of 1-D `flat` (compute dtype) with d < tau.
+
+    The dense integer test is exact for target-normal values. Target-subnormal values need the
+    subnormal ULP (SPEC §3.2): two cheap counts tell whether any nonzero one exists (almost
+    never), and only then are they found and measured exactly. Non-finite values and values
+    that overflow the target may be returned; the caller drops them (no rounding choice there).
+    """
+    cand = near_boundary_mask(flat, policy, tau).nonzero().squeeze(1)
+    absbits = torch.bitwise_and(flat.view(policy.fmt["int_dtype"]), _ABS_MASK[policy.compute])
+    small = absbits < _MIN_NORMAL_BITS[policy.compute]  # zero or target-subnormal
+    zeros = flat.numel() - int(torch.count_nonzero(absbits))
+    if int(torch.count_nonzero(small)) == zeros:
+        return cand
+    tiny = (small & (absbits != 0)).nonzero().squeeze(1)
+    tiny = tiny[distance_to_boundary(flat[tiny], policy) < tau]
+    cand = cand[~small[cand]]  # the integer test measured these against the wrong ULP
+    return torch.cat([cand, tiny]).sort().values
+
+
+_ABS_MASK = {torch.float64: 0x7FFF_FFFF_FFFF_FFFF, torch.float32: 0x7FFF_FFFF}
+_MIN_NORMAL_BITS = {torch.float64: (1023 - 126) << 52, torch.float32: 1 << 23}  # 2**-126
+
+
 def distance_to_boundary(y: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     """Exact distance d in target ULPs (float64) of each value from its rounding boundary.
 

@@ -15,8 +15,8 @@ from .errors import LogMismatchError, LogViolationError
 from .logcodec import RoundingLog, SiteLog
 from .precision import (
     PrecisionPolicy,
+    band_candidates,
     distance_to_boundary,
-    near_boundary_mask,
     rounded_up,
     step_toward,
 )
@@ -25,28 +25,27 @@ _EMPTY_INDEX = np.zeros(0, dtype=np.int64)
 _EMPTY_UP = np.zeros(0, dtype=bool)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """`t` flattened in logical row-major order (a view when `t` is contiguous)."""
-    return t.reshape(-1)
+def _site_values(ys: list[torch.Tensor]) -> torch.Tensor:
+    """All of a site's values as one 1-D tensor in site order (a view for one contiguous y).
+
+    One flat tensor per site turns a foreach op over many small parameters into one band test
+    instead of one per parameter, and makes site indices plain positions in it.
+    """
+    if len(ys) == 1:
+        return ys[0].reshape(-1)
+    return torch.cat([y.reshape(-1) for y in ys])
 
 
-def _record_tensor(y: torch.Tensor, policy: PrecisionPolicy, tau: float):
-    """RNE-round one tensor; return (rounded, flat indices in band, their directions)."""
-    r = y.to(policy.target)
-    if tau == 0.0:  # nothing is closer than 0 to a boundary: no band to search
-        return r, _EMPTY_INDEX, _EMPTY_UP
-    cand = _flat(near_boundary_mask(y, policy, tau)).nonzero().squeeze(1)
-    # Values whose target is subnormal need the subnormal ULP (SPEC §3.2): the dense test above
-    # measured their distance against a normal ULP, so re-test every tiny nonzero value exactly.
-    tiny = _flat(torch.frexp(y)[1] <= policy.fmt["min_normal_exp"]).nonzero().squeeze(1)
-    if tiny.numel():
-        cand = torch.cat([cand, tiny]).unique()
-    if cand.numel() == 0:
-        return r, _EMPTY_INDEX, _EMPTY_UP
-    yv, rv = _flat(y)[cand], _flat(r)[cand]
-    keep = (distance_to_boundary(yv, policy) < tau) & torch.isfinite(rv)
-    cand, yv, rv = cand[keep], yv[keep], rv[keep]
-    return r, cand.cpu().numpy(), rounded_up(yv, rv).cpu().numpy()
+def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Cut a site's rounded values back into tensors shaped — and laid out — like `ys`."""
+    out, offset = [], 0
+    for y in ys:
+        part = r_flat[offset:offset + y.numel()].view(y.shape)
+        if not y.is_contiguous():  # keep the op's memory layout (e.g. channels_last)
+            part = torch.empty_like(y, dtype=r_flat.dtype).copy_(part)
+        out.append(part)
+        offset += y.numel()
+    return out
 
 
 class SiteRecorder:
@@ -58,22 +57,21 @@ class SiteRecorder:
         self.in_band = 0
 
     def round_site(self, op: str, ys: list[torch.Tensor], ieee: bool = False) -> list[torch.Tensor]:
+        flat = _site_values(ys)
+        r = flat.to(self.policy.target)
         tau = self.policy.tau_for(ieee)
-        rounded, indices, ups, offset = [], [], [], 0
-        for y in ys:
-            r, idx, up = _record_tensor(y, self.policy, tau)
-            rounded.append(r)
-            if idx.size:
-                indices.append(idx + offset)
-                ups.append(up)
-            offset += y.numel()
-        if indices:
-            site = SiteLog(offset, np.concatenate(indices), np.concatenate(ups))
-            self.in_band += site.indices.size
-        else:
-            site = SiteLog(offset, _EMPTY_INDEX, _EMPTY_UP)
-        self.sites.append(site)
-        return rounded
+        indices, up = _EMPTY_INDEX, _EMPTY_UP
+        if tau > 0.0:  # with tau 0 nothing is closer than tau to a boundary
+            cand = band_candidates(flat, self.policy, tau)
+            if cand.numel():
+                rv = r[cand]
+                keep = torch.isfinite(rv)  # NaN, inf and overflow are not rounding sites
+                cand, rv = cand[keep], rv[keep]
+                indices = cand.cpu().numpy()
+                up = rounded_up(flat[cand], rv).cpu().numpy()
+        self.sites.append(SiteLog(flat.numel(), indices, up))
+        self.in_band += indices.size
+        return _split(r, ys)
 
     def log(self) -> RoundingLog:
         return RoundingLog(tuple(self.sites))
@@ -93,18 +91,11 @@ class SiteReplayer:
 
     def round_site(self, op: str, ys: list[torch.Tensor], ieee: bool = False) -> list[torch.Tensor]:
         site = self._next_site(op, ys)
-        tau = self.policy.tau_for(ieee)
-        rounded, offset = [], 0
-        for y in ys:
-            r = y.to(self.policy.target)
-            lo = int(np.searchsorted(site.indices, offset))
-            hi = int(np.searchsorted(site.indices, offset + y.numel()))
-            if hi > lo:
-                r = self._apply(op, y, r, site.indices[lo:hi] - offset, site.up[lo:hi], offset,
-                                tau)
-            rounded.append(r)
-            offset += y.numel()
-        return rounded
+        flat = _site_values(ys)
+        r = flat.to(self.policy.target)
+        if site.indices.size:
+            self._apply(op, flat, r, site, self.policy.tau_for(ieee))
+        return _split(r, ys)
 
     def finish(self) -> None:
         """Raise if the log has sites the replay never reached."""
@@ -128,24 +119,19 @@ class SiteReplayer:
         self.position += 1
         return site
 
-    def _apply(self, op, y, r, idx_np, up_np, offset, tau) -> torch.Tensor:
-        idx = torch.from_numpy(idx_np).to(y.device)
-        up = torch.from_numpy(up_np).to(y.device)
-        yv = _flat(y)[idx]
+    def _apply(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
+               tau: float) -> None:
+        """Set the logged elements of `r` to the logged neighbours, after checking validity."""
+        idx = torch.from_numpy(site.indices).to(flat.device)
+        yv = flat[idx]
         d = distance_to_boundary(yv, self.policy)
         bad = (d >= 2 * tau).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
-            raise LogViolationError(self.step, self.position - 1, op, offset + int(idx_np[k]),
+            raise LogViolationError(self.step, self.position - 1, op, int(site.indices[k]),
                                     float(d[k]), tau)
-        fixed = step_toward(_flat(r)[idx], yv, up, self.policy)
-        if r.is_contiguous():
-            r.view(-1)[idx] = fixed
-            return r
-        flat = r.contiguous()  # logical order; copy back keeps r's own strides
-        flat.view(-1)[idx] = fixed
-        r.copy_(flat)
-        return r
+        up = torch.from_numpy(site.up).to(flat.device)
+        r[idx] = step_toward(r[idx], yv, up, self.policy)
 
     def _where(self) -> str:
         return f"step {self.step}: " if self.step is not None else ""

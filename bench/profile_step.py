@@ -1,0 +1,69 @@
+"""Where an ovt record or replay step spends its time, by function (cProfile, exclusive time).
+
+Runs a few warm-up steps, then profiles `--steps` steps of one mode and prints the functions
+with the most exclusive time per step. Torch ops called from Python show up as their method
+names (`to`, `nonzero`, `bitwise_and`...), so the cost of each pass of the rounding engine is
+visible next to the Python overhead of the interceptor. cProfile inflates Python-heavy code, so
+read shares, not absolute times; `bench/bench_step.py` measures un-instrumented step times.
+
+    python bench/profile_step.py --program char-transformer --mode record
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from protocol.executor import Executor
+from protocol.precision import PrecisionPolicy
+from protocol.profiles import Profile
+from protocol.programs.registry import BUILTIN, load_program
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--program", choices=sorted(BUILTIN), default="char-transformer")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--mode", choices=("record", "replay"), default="record")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    def executor() -> Executor:
+        return Executor(load_program(args.program, preset=args.preset), seed=0,
+                        policy=PrecisionPolicy(), profile=Profile.parse(f"threads={args.threads}"))
+
+    trainer = executor()
+    trainer.init_state(1)
+    auditor = executor()
+    auditor.load_state(trainer.state())
+    for _ in range(2):  # warm-up
+        auditor.step(trainer.step().log)
+    logs = [trainer.step().log for _ in range(args.steps)] if args.mode == "replay" else []
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    if args.mode == "record":
+        seconds = [trainer.step().seconds for _ in range(args.steps)]
+    else:
+        seconds = [auditor.step(log).seconds for log in logs]
+    profiler.disable()
+
+    per_step = 1e3 / args.steps
+    print(f"{args.program} ({args.preset}), {args.mode}: median step under cProfile "
+          f"{1e3 * sorted(seconds)[len(seconds) // 2]:.1f} ms; exclusive ms per step:")
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+    for (filename, line, name), (_, calls, tottime, _, _) in rows:
+        where = filename.rsplit("/", 1)[-1] if filename != "~" else "torch"
+        print(f"  {tottime * per_step:8.2f}  {calls / args.steps:8.0f} calls  "
+              f"{where}:{name}" + (f":{line}" if line else ""))
+
+
+if __name__ == "__main__":
+    main()
