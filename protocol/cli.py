@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import profiles
+from . import jobcli, profiles
 from .errors import ConfigError, OvtError
 from .precision import PrecisionPolicy
 from .programs.registry import BUILTIN, load_program
@@ -85,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep S_0, logs and per-side results here (default: a temp dir)")
     rc.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     rc.set_defaults(run=_replay_check)
+    jobcli.add_commands(sub)
     return parser
 
 

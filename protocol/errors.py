@@ -61,3 +61,33 @@ class LogViolationError(OvtError):
 
 class DeterminismError(OvtError):
     """A step did something that cannot be replayed bit-exactly (e.g. used a device RNG)."""
+
+
+class EncodingError(OvtError):
+    """Bytes that are not the canonical encoding of an allowed value (SPEC §2: one byte string
+    per value). Raised for malformed, truncated, non-canonical or oversized input."""
+
+
+class ProofError(OvtError):
+    """A Merkle inclusion proof that is malformed (wrong length, index out of range)."""
+
+
+class RootMismatchError(ProofError):
+    """A proof that recomputes to another root than the one committed to.
+
+    Carries both roots so the caller can show what was expected and what came out.
+    """
+
+    def __init__(self, expected: bytes, computed: bytes, what: str = "inclusion proof") -> None:
+        self.expected, self.computed = expected, computed
+        super().__init__(f"{what} does not verify: expected root {expected.hex()}, "
+                         f"computed {computed.hex()}")
+
+
+class SignatureError(OvtError):
+    """A signature that does not verify, or a signed object bound to another job, role or
+    protocol version than the one it is presented for."""
+
+
+class StoreError(OvtError):
+    """A stored object that is missing or fails its hash check and cannot be regenerated."""
