@@ -44,14 +44,10 @@ def example_digest(example: dict[str, torch.Tensor]) -> bytes:
     return state_digest(example)
 
 
-def data_tree(source: ExampleSource) -> MerkleTree:
-    """The Merkle tree over every example of `source` (hashes each example once)."""
-    return MerkleTree([leaf_hash(example_digest(source.example(i)))
-                       for i in range(len(source))])
-
-
 def commit_dataset(source: ExampleSource) -> tuple[DataCommitment, MerkleTree]:
-    tree = data_tree(source)
+    """The commitment to every example of `source`, and the tree that proves batches."""
+    tree = MerkleTree([leaf_hash(example_digest(source.example(i)))
+                       for i in range(len(source))])
     return DataCommitment(tree.root, tree.size), tree
 
 

@@ -15,8 +15,7 @@ Presets (`PRESETS`) name the useful ones; `Profile.parse` also takes `key=value,
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -139,10 +138,3 @@ def available_profiles(program_has_conv: bool) -> list[Profile]:
         names.append("cuda")
     return [PRESETS[n] for n in names]
 
-
-def with_name(profile: Profile, name: str) -> Profile:
-    return replace(profile, name=name)
-
-
-def isa_env_is_set() -> bool:
-    return "ATEN_CPU_CAPABILITY" in os.environ

@@ -257,11 +257,11 @@ def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
 
 def make_optimizer(cfg: CharTransformerConfig,
                    params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW or SGD (momentum 0.9), single-tensor (foreach=False): same ops on CPU and CUDA."""
+    """AdamW or SGD (momentum 0.9); the executor pins their foreach implementation."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=SGD_MOMENTUM,
-                           weight_decay=cfg.weight_decay, foreach=False)
+                           weight_decay=cfg.weight_decay)
 
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

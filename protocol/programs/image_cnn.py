@@ -172,11 +172,11 @@ def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
 
 def make_optimizer(cfg: ImageCNNConfig,
                    params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD (momentum 0.9) or Adam, single-tensor (foreach=False): the same ops on CPU and CUDA."""
+    """SGD (momentum 0.9) or Adam; the executor pins their foreach implementation."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=SGD_MOMENTUM,
-                               weight_decay=cfg.weight_decay, foreach=False)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol import profiles
 from protocol.errors import ConfigError
 from protocol.profiles import PRESETS, Profile, available_profiles, current_isa
 
@@ -117,9 +116,3 @@ def test_available_profiles():
     with_conv = [p.name for p in available_profiles(program_has_conv=True)]
     assert with_conv[:5] == ["cpu-1t", "cpu-2t", "channels-last", "isa-default", "emulated-gpu"]
     assert ("cuda" in names) == torch.cuda.is_available()
-
-
-def test_with_name():
-    renamed = profiles.with_name(PRESETS["cpu-1t"], "trainer")
-    assert renamed.name == "trainer" and renamed.threads == 1
-    assert PRESETS["cpu-1t"].name == "cpu-1t"
