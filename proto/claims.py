@@ -1,0 +1,273 @@
+"""The Claims service, both ends: the servicer every node runs and the client every party uses.
+
+`ClaimsServicer` answers from the `JobStore`s under one directory (SPEC §2, §4): spec,
+commitments, leaves with inclusion proofs, rounding logs, checkpoints streamed in bounded
+chunks, and batches with data proofs. Input is validated at this edge and every failure maps to
+a gRPC status with a one-line message; no stack trace reaches the peer.
+
+`RemoteClaims` is a `protocol.jobrun.ClaimSource` over a channel: everything it returns has been
+checked (leaves against the peer's signed root, logs against the leaves, S_0 against h_0), and
+every failure of the peer is a `PeerError` naming the call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import grpc
+import safetensors
+import safetensors.torch
+
+from protocol.batches import batch_indices
+from protocol.datacommit import commit_dataset
+from protocol.errors import OvtError, StoreError
+from protocol.executor import Executor
+from protocol.jobspec import JobSpec
+from protocol.merkle import MerkleTree, verify_inclusion
+from protocol.profiles import Profile
+from protocol.signing import SignedCommitment
+from protocol.state import encode_state, state_digest
+from protocol.store import JobStore, Leaf
+
+from . import ovt_pb2, ovt_pb2_grpc
+
+CHUNK_BYTES = 1 << 20
+MAX_RANGE = 10_000
+DEFAULT_DEADLINE_S = 30.0
+_REGEN_PROFILE = Profile("regenerate")  # a node regenerating its own S_t: its own hardware
+
+
+class PeerError(OvtError):
+    """A peer that answered wrongly, not at all, or with something that does not verify."""
+
+
+class StoreDirectory:
+    """The job stores under one root, opened on first use and kept open."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._stores: dict[bytes, JobStore] = {}
+        self._lock = threading.Lock()
+
+    def get(self, job_id: bytes) -> JobStore | None:
+        with self._lock:
+            if job_id not in self._stores:
+                if not (self.root / job_id.hex() / "spec.ovtjob").exists():
+                    return None
+                self._stores[job_id] = JobStore.open(self.root, job_id.hex())
+            return self._stores[job_id]
+
+    def add(self, store: JobStore) -> None:
+        with self._lock:
+            self._stores[store.spec.job_id] = store
+
+    def job_ids(self) -> list[bytes]:
+        return [bytes.fromhex(p.parent.name) for p in sorted(self.root.glob("*/spec.ovtjob"))]
+
+
+def _abort(context, code: grpc.StatusCode, message: str):
+    context.abort(code, message)
+
+
+class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
+    def __init__(self, stores: StoreDirectory) -> None:
+        self.stores = stores
+        self._data_trees: dict[bytes, object] = {}
+        self._trees: dict[tuple[bytes, int], MerkleTree] = {}  # committed leaves never change
+        self._lock = threading.Lock()
+
+    def _tree(self, store: JobStore, n: int) -> MerkleTree:
+        key = (store.spec.job_id, n)
+        with self._lock:
+            if key not in self._trees:
+                self._trees[key] = store.tree(n)
+            return self._trees[key]
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _store(self, job_id: bytes, context) -> JobStore:
+        if len(job_id) != 32:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 32 bytes")
+        store = self.stores.get(job_id)
+        if store is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"unknown job {job_id.hex()}")
+        return store
+
+    def _step(self, store: JobStore, step: int, context, *, allow_zero: bool = True) -> int:
+        last = store.last_step()
+        if step > last or (step == 0 and not allow_zero):
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+                   f"step {step} is not available (steps {0 if allow_zero else 1}..{last})")
+        return step
+
+    def _commitment(self, store: JobStore, n: int, context) -> SignedCommitment:
+        signed = store.commitment(n or None)
+        if signed is None:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                   "no commitment yet" if not n else f"no commitment over {n} steps")
+        return signed
+
+    # -- RPCs ----------------------------------------------------------------------------------
+
+    def GetSpec(self, request, context):
+        return ovt_pb2.SpecReply(spec=self._store(request.job_id, context).spec.to_bytes())
+
+    def GetCommitment(self, request, context):
+        store = self._store(request.job_id, context)
+        return ovt_pb2.CommitmentReply(
+            signed_commitment=self._commitment(store, request.n, context).to_bytes())
+
+    def GetLeaf(self, request, context):
+        store = self._store(request.job_id, context)
+        n = self._commitment(store, 0, context).commitment.n
+        if request.step > n:
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+                   f"step {request.step} is beyond the committed {n} steps")
+        return self._leaf_reply(store, request.step, self._tree(store, n))
+
+    def GetLeaves(self, request, context):
+        store = self._store(request.job_id, context)
+        n = self._commitment(store, 0, context).commitment.n
+        if request.first > request.last or request.last > n or \
+                request.last - request.first >= MAX_RANGE:
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+                   f"bad range {request.first}..{request.last} (committed steps 0..{n}, at "
+                   f"most {MAX_RANGE} per call)")
+        tree = self._tree(store, n)
+        for step in range(request.first, request.last + 1):
+            yield self._leaf_reply(store, step, tree)
+
+    def GetLog(self, request, context):
+        store = self._store(request.job_id, context)
+        self._step(store, request.step, context, allow_zero=False)
+        try:
+            return ovt_pb2.LogReply(log=store.log_bytes(request.step))
+        except StoreError as err:
+            _abort(context, grpc.StatusCode.DATA_LOSS, str(err))
+
+    def GetCheckpoint(self, request, context):
+        store = self._store(request.job_id, context)
+        self._step(store, request.step, context)
+        state = store.checkpoint(request.step)
+        if state is None:  # not stored or damaged: regenerate from an earlier one (SPEC §4)
+            ex = Executor(store.spec.program_instance(), seed=store.spec.seed,
+                          policy=store.spec.policy, profile=_REGEN_PROFILE)
+            try:
+                state = store.state_at(request.step, ex)
+            except StoreError as err:
+                _abort(context, grpc.StatusCode.DATA_LOSS, str(err))
+        yield from _chunks(safetensors.torch.save(state))
+
+    def GetBatch(self, request, context):
+        store = self._store(request.job_id, context)
+        spec = store.spec
+        if not 1 <= request.step <= spec.steps:
+            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+                   f"step {request.step} is outside 1..{spec.steps}")
+        source, tree = self._data(spec)
+        indices = batch_indices(spec.seed, len(source), spec.config["batch_size"], request.step)
+        return ovt_pb2.BatchReply(examples=[
+            ovt_pb2.Example(index=int(i), tensors=encode_state(source.example(int(i))),
+                            proof=tree.proof(int(i))) for i in indices])
+
+    def _data(self, spec: JobSpec):
+        with self._lock:
+            if spec.job_id not in self._data_trees:
+                source = spec.program_instance().dataset
+                self._data_trees[spec.job_id] = (source, commit_dataset(source)[1])
+            return self._data_trees[spec.job_id]
+
+    @staticmethod
+    def _leaf_reply(store: JobStore, step: int, tree) -> ovt_pb2.LeafReply:
+        leaf = store.leaf(step)
+        return ovt_pb2.LeafReply(step=step, state_hash=leaf.state_hash, log_hash=leaf.log_hash,
+                                 proof=tree.proof(step), tree_size=tree.size)
+
+
+def _chunks(payload: bytes):
+    digest = hashlib.sha256(payload).digest()
+    total = len(payload)
+    for offset in range(0, max(total, 1), CHUNK_BYTES):
+        last = offset + CHUNK_BYTES >= total
+        yield ovt_pb2.Chunk(data=payload[offset:offset + CHUNK_BYTES], offset=offset,
+                            total_size=total, sha256=digest if last else b"")
+
+
+def join_chunks(chunks, max_bytes: int) -> bytes:
+    """Reassemble a chunk stream, checking offsets, the announced size and the sha256."""
+    parts, expected_offset, total, digest = [], 0, None, b""
+    for chunk in chunks:
+        if chunk.offset != expected_offset or (total is not None and chunk.total_size != total):
+            raise PeerError("chunk stream out of order or inconsistent")
+        total = chunk.total_size
+        if total > max_bytes:
+            raise PeerError(f"peer announced {total} bytes, more than the {max_bytes} allowed")
+        parts.append(chunk.data)
+        expected_offset += len(chunk.data)
+        digest = chunk.sha256
+    payload = b"".join(parts)
+    if total is None or len(payload) != total or hashlib.sha256(payload).digest() != digest:
+        raise PeerError("chunk stream truncated or its sha256 does not match")
+    return payload
+
+
+class RemoteClaims:
+    """A verified `ClaimSource` over a peer's Claims service (SPEC §5: trust nothing)."""
+
+    def __init__(self, channel: grpc.Channel, spec: JobSpec, *, role: str = "trainer",
+                 deadline_s: float = DEFAULT_DEADLINE_S, max_state_bytes: int = 1 << 31) -> None:
+        self.stub = ovt_pb2_grpc.ClaimsStub(channel)
+        self.spec, self.role = spec, role
+        self.deadline_s, self.max_state_bytes = deadline_s, max_state_bytes
+        self._commitment: SignedCommitment | None = None
+
+    def _call(self, name: str, request):
+        try:
+            return getattr(self.stub, name)(request, timeout=self.deadline_s)
+        except grpc.RpcError as err:
+            raise PeerError(f"{self.role} {name} failed: {err.code().name}: {err.details()}") \
+                from None
+
+    def commitment(self) -> SignedCommitment:
+        if self._commitment is None:
+            reply = self._call("GetCommitment", ovt_pb2.CommitmentRequest(
+                job_id=self.spec.job_id, n=self.spec.steps))
+            signed = SignedCommitment.from_bytes(reply.signed_commitment)
+            signed.verify(job_id=self.spec.job_id, role=self.role, n=self.spec.steps)
+            self._commitment = signed
+        return self._commitment
+
+    def leaf(self, step: int) -> Leaf:
+        reply = self._call("GetLeaf", ovt_pb2.StepRef(job_id=self.spec.job_id, step=step))
+        leaf = Leaf(step, bytes(reply.state_hash), bytes(reply.log_hash))
+        root = self.commitment().commitment
+        if reply.step != step or reply.tree_size != root.n + 1:
+            raise PeerError(f"{self.role} answered leaf {reply.step} of a tree of "
+                            f"{reply.tree_size} for leaf {step} of {root.n + 1}")
+        try:
+            verify_inclusion(leaf.hash, step, root.n + 1, list(reply.proof), root.root)
+        except OvtError as err:
+            raise PeerError(f"{self.role}'s leaf {step} does not verify: {err}") from None
+        return leaf
+
+    def log_bytes(self, step: int) -> bytes:
+        return bytes(self._call("GetLog", ovt_pb2.StepRef(job_id=self.spec.job_id,
+                                                          step=step)).log)
+
+    def initial_state(self):
+        try:
+            stream = self.stub.GetCheckpoint(ovt_pb2.StepRef(job_id=self.spec.job_id, step=0),
+                                             timeout=self.deadline_s)
+            payload = join_chunks(stream, self.max_state_bytes)
+        except grpc.RpcError as err:
+            raise PeerError(f"{self.role} GetCheckpoint failed: {err.code().name}: "
+                            f"{err.details()}") from None
+        try:
+            state = safetensors.torch.load(payload)
+        except (safetensors.SafetensorError, ValueError) as err:
+            raise PeerError(f"{self.role} sent an S_0 that is not safetensors: {err}") from None
+        if state_digest(state) != self.spec.h0:
+            raise PeerError(f"{self.role} sent an S_0 that does not hash to the job's h_0")
+        return state
