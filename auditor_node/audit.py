@@ -1,0 +1,209 @@
+"""One audit (SPEC §5.1): fetch a job from a trainer, replay it on this hardware, compare roots.
+
+`run_audit` asks the trainer for the job spec (and checks that it hashes to the job id it was
+asked for), then runs `protocol.jobrun.replay_job` over a verified `RemoteClaims` into the
+auditor's own `JobStore` under `store_root`, signing the auditor's own commitment. It resumes
+after the auditor's own crash: replayed steps come from its store, and the trainer's leaves it
+has already verified from `<store>/<job id>/trainer-leaves.ovt` (see `leafcache`). On a
+mismatch it writes the challenge (see `challenge`) to `<store>/<job id>/challenge.ovt`.
+
+    record = run_audit("127.0.0.1:50051", job_id, Path("auditor-store"), KeyPair.load(path),
+                       Profile.parse("emulated-gpu"))
+    record.state  # "matched" or "diverged"; a failure raises an OvtError (PeerError, ...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from proto import ovt_pb2, ovt_pb2_grpc
+from proto.claims import DEFAULT_DEADLINE_S, PeerError, RemoteClaims
+from proto.serving import make_channel
+from protocol.encoding import decode, encode
+from protocol.errors import ConfigError, EncodingError, OvtError
+from protocol.jobrun import AuditOutcome, Progress, replay_job
+from protocol.jobspec import JobSpec
+from protocol.profiles import Profile
+from protocol.programs.registry import BUILTIN
+from protocol.signing import Claim, KeyPair, SignedCommitment
+from protocol.store import JobStore, atomic_write
+
+from .challenge import Challenge
+from .leafcache import CachedClaims
+
+CHALLENGE_FILE = "challenge.ovt"
+MATCHED, DIVERGED, FAILED = "matched", "diverged", "failed"
+VERDICTS = (MATCHED, DIVERGED, FAILED)
+_RECORD_FIELDS = ("job_id", "state", "steps", "replayed", "divergent_step", "reason",
+                  "trainer_commitment", "auditor_commitment", "challenge", "error")
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """The outcome of one audit.
+
+    state: matched | diverged | failed; steps: the job's steps; replayed: the steps the auditor's
+    commitment covers; divergent_step/reason: the first step that differs and why (diverged);
+    trainer_commitment/auditor_commitment: both signed roots (absent when the audit failed before
+    reaching them); challenge: where the challenge was written; error: why it failed.
+    """
+
+    job_id: bytes
+    state: str
+    steps: int = 0
+    replayed: int = 0
+    divergent_step: int | None = None
+    reason: str | None = None
+    trainer_commitment: SignedCommitment | None = None
+    auditor_commitment: SignedCommitment | None = None
+    challenge: Path | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, job_id: bytes, error: str) -> AuditRecord:
+        return cls(job_id=job_id, state=FAILED, error=error)
+
+    def to_bytes(self) -> bytes:
+        """Canonical bytes (the runner keeps each verdict in the auditor's store)."""
+        return encode({
+            "job_id": self.job_id, "state": self.state, "steps": self.steps,
+            "replayed": self.replayed, "divergent_step": self.divergent_step,
+            "reason": self.reason, "error": self.error,
+            "trainer_commitment": _opt_bytes(self.trainer_commitment),
+            "auditor_commitment": _opt_bytes(self.auditor_commitment),
+            "challenge": None if self.challenge is None else str(self.challenge)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> AuditRecord:
+        """Parse a stored record. Raises EncodingError if it is not one."""
+        body = decode(data, max_bytes=64 * 1024)
+        if not isinstance(body, dict) or set(body) != set(_RECORD_FIELDS) or \
+                body["state"] not in VERDICTS:
+            raise EncodingError("not an audit record")
+        try:
+            return cls(**{**body, "challenge": _opt(body["challenge"], Path),
+                          "trainer_commitment": _opt(body["trainer_commitment"],
+                                                     SignedCommitment.from_bytes),
+                          "auditor_commitment": _opt(body["auditor_commitment"],
+                                                     SignedCommitment.from_bytes)})
+        except TypeError as err:
+            raise EncodingError(f"not an audit record: {err}") from None
+
+
+def _opt_bytes(signed: SignedCommitment | None) -> bytes | None:
+    return None if signed is None else signed.to_bytes()
+
+
+def _opt(value, convert):
+    return None if value is None else convert(value)
+
+
+def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPair,
+              profile: Profile, *, tls_ca: Path | None = None,
+              allow_remote_plaintext: bool = False, progress: Progress | None = None,
+              allowed_programs: Collection[str] = (),
+              deadline_s: float = DEFAULT_DEADLINE_S) -> AuditRecord:
+    """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
+
+    Returns a matched or diverged record. Raises ConfigError for a malformed job id or address,
+    PeerError for a trainer that does not answer or answers with anything that does not verify
+    (a spec that does not hash to `job_id` included), ConfigError for a job whose program is
+    neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
+    trainer may not choose an arbitrary one), ProgramError if this machine's program source
+    differs from the job's, StoreError for a damaged store; and whatever `progress`
+    raises (the audit then resumes from the store on the next call).
+    """
+    if not isinstance(job_id, bytes) or len(job_id) != 32:
+        raise ConfigError("a job id is 32 bytes (64 hex digits)")
+    with make_channel(trainer_address, tls_ca=tls_ca,
+                      allow_remote_plaintext=allow_remote_plaintext) as channel:
+        spec = fetch_spec(channel, job_id, deadline_s)
+        if spec.program not in BUILTIN and spec.program not in allowed_programs:
+            raise ConfigError(f"job {job_id.hex()} runs program {spec.program!r}, which is not "
+                              f"allowed on this auditor (built-ins: {', '.join(sorted(BUILTIN))};"
+                              f" allow others with --allow-program)")
+        store = JobStore(store_root, spec)
+        try:
+            source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)
+            try:
+                outcome = replay_job(store, source, key, profile=profile, progress=progress)
+            finally:
+                source.close()
+            return _record(channel, store, outcome, deadline_s)
+        finally:
+            store.close()
+
+
+def fetch_spec(channel: grpc.Channel, job_id: bytes, deadline_s: float) -> JobSpec:
+    """The trainer's spec of `job_id`, checked to hash to it. Raises PeerError."""
+    try:
+        reply = ovt_pb2_grpc.ClaimsStub(channel).GetSpec(ovt_pb2.JobRef(job_id=job_id),
+                                                         timeout=deadline_s)
+    except grpc.RpcError as err:
+        raise PeerError(f"trainer GetSpec failed: {err.code().name}: {err.details()}") from None
+    if hashlib.sha256(reply.spec).digest() != job_id:
+        raise PeerError(f"the trainer's spec hashes to {hashlib.sha256(reply.spec).hexdigest()},"
+                        f" not to the job id {job_id.hex()} it was asked for")
+    try:
+        return JobSpec.from_bytes(reply.spec)
+    except EncodingError as err:
+        raise PeerError(f"the trainer's spec does not decode: {err}") from None
+
+
+def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,
+            deadline_s: float) -> AuditRecord:
+    spec, own = store.spec, outcome.commitment
+    path = store.dir / CHALLENGE_FILE
+    common = dict(job_id=spec.job_id, steps=spec.steps, replayed=own.commitment.n,
+                  trainer_commitment=outcome.trainer_commitment, auditor_commitment=own)
+    if outcome.matches:
+        path.unlink(missing_ok=True)  # a stale one from an audit of another trainer root
+        return AuditRecord(state=MATCHED, **common)
+    step = outcome.first_divergent_step
+    if step is None:  # every leaf matched, yet the roots differ: nothing to point at
+        return AuditRecord(state=DIVERGED, reason="the roots differ although every replayed "
+                           "leaf matched", **common)
+    challenge = Challenge(
+        job_id=spec.job_id, step=step, reason=outcome.reason or "",
+        trainer_commitment=outcome.trainer_commitment,
+        trainer_leaf=trainer_claim(channel, spec, step, outcome.trainer_commitment,
+                                   deadline_s),
+        auditor_commitment=own, auditor_leaf=own_claim(store, step, own))
+    atomic_write(path, challenge.to_bytes())
+    return AuditRecord(state=DIVERGED, divergent_step=step, reason=outcome.reason,
+                       challenge=path, **common)
+
+
+def trainer_claim(channel: grpc.Channel, spec: JobSpec, step: int, signed: SignedCommitment,
+                  deadline_s: float) -> Claim:
+    """The trainer's leaf `step` with its inclusion proof, verified against `signed`."""
+    try:
+        reply = ovt_pb2_grpc.ClaimsStub(channel).GetLeaf(
+            ovt_pb2.StepRef(job_id=spec.job_id, step=step), timeout=deadline_s)
+    except grpc.RpcError as err:
+        raise PeerError(f"trainer GetLeaf failed: {err.code().name}: {err.details()}") from None
+    try:
+        if reply.step != step:
+            raise PeerError(f"asked for leaf {step}, got leaf {reply.step}")
+        claim = Claim(spec.job_id, step, bytes(reply.state_hash), bytes(reply.log_hash),
+                      tuple(bytes(p) for p in reply.proof), reply.tree_size)
+        claim.verify(signed)
+    except OvtError as err:
+        raise PeerError(f"the trainer's leaf {step} with its proof does not verify: {err}") \
+            from None
+    return claim
+
+
+def own_claim(store: JobStore, step: int, signed: SignedCommitment) -> Claim | None:
+    """The auditor's own leaf `step` with its proof under its commitment (None: not replayed)."""
+    n = signed.commitment.n
+    if step > n:
+        return None
+    leaf = store.leaf(step)
+    return Claim(store.spec.job_id, step, leaf.state_hash, leaf.log_hash,
+                 tuple(store.tree(n).proof(step)), n + 1)

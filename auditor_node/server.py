@@ -1,0 +1,60 @@
+"""The auditor daemon: its own Claims (for the arbiter), the Auditor service and health, one port.
+
+The Claims service answers from the auditor's own store — the same directory its audits replay
+into — so an arbiter asks the auditor for its signed commitment (role "auditor"), its leaves with
+proofs, its checkpoints and the logs it replayed, exactly as it asks the trainer.
+
+    node = AuditorNode(store_root, key, profile, listen="127.0.0.1:0")
+    port = node.start()
+    ...
+    node.stop()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+from proto import ovt_pb2_grpc
+from proto.claims import ClaimsServicer, StoreDirectory
+from proto.serving import build_server
+from protocol.profiles import Profile
+from protocol.signing import KeyPair
+
+from .runner import AuditRunner
+from .service import AuditorServicer
+
+SERVICE_NAMES = ("ovt.v1.Claims", "ovt.v1.Auditor")
+
+
+class AuditorNode:
+    """An audit runner and a gRPC server over one store directory."""
+
+    def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *, listen: str,
+                 tls_cert: Path | None = None, tls_key: Path | None = None,
+                 tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
+                 allowed_programs: Collection[str] = ()) -> None:
+        profile.check_runnable()
+        self.runner = AuditRunner(store_root, key, profile, tls_ca=tls_ca,
+                                  allow_remote_plaintext=allow_remote_plaintext,
+                                  allowed_programs=allowed_programs)
+        claims = ClaimsServicer(StoreDirectory(Path(store_root)))
+        auditor = AuditorServicer(self.runner)
+        self.server, self.port = build_server(
+            listen,
+            [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
+             lambda s: ovt_pb2_grpc.add_AuditorServicer_to_server(auditor, s)],
+            service_names=SERVICE_NAMES, tls_cert=tls_cert, tls_key=tls_key,
+            allow_remote_plaintext=allow_remote_plaintext)
+
+    def start(self) -> int:
+        """Start auditing (resuming interrupted audits) and serving; returns the bound port."""
+        self.runner.start()
+        self.server.start()
+        return self.port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking requests, end the streams, and stop the running audit after its step."""
+        self.runner.stop(timeout=0)
+        self.server.stop(grace_s).wait(grace_s + 1)
+        self.runner.stop(timeout=grace_s + 60)

@@ -1,0 +1,80 @@
+"""The Auditor gRPC service (ovt.v1.Auditor): the edge between peers and the `AuditRunner`.
+
+Audit starts (or joins) an audit and answers at once; GetAudit reports where it stands;
+WatchAudit streams a report on every change until the audit is matched, diverged or failed.
+Requests are validated here and every problem becomes a status code with a one-line message:
+a job id that is not 32 bytes or a missing or malformed trainer address is INVALID_ARGUMENT, an
+audit this node has never heard of NOT_FOUND, a full queue RESOURCE_EXHAUSTED. No stack trace
+ever reaches the peer.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from proto import ovt_pb2, ovt_pb2_grpc
+from proto.serving import split_address
+from protocol.errors import ConfigError
+
+from .runner import AuditRunner, AuditStatus, QueueFullError
+
+MAX_ADDRESS_CHARS = 512
+WATCH_POLL_S = 1.0  # how often a watcher notices a cancelled client or a stopping server
+
+
+def report(status: AuditStatus) -> ovt_pb2.AuditReport:
+    """The wire form of a status (the auditor's signed commitment once it has one)."""
+    record = status.record
+    signed = record.auditor_commitment if record else None
+    divergent = record.divergent_step if record else None
+    return ovt_pb2.AuditReport(
+        job_id=status.job_id, state=status.state, step=status.step, steps=status.steps,
+        divergent_step=divergent or 0, reason=(record.reason or "") if record else "",
+        commitment=signed.to_bytes() if signed else b"",
+        error=(record.error or "") if record else "")
+
+
+class AuditorServicer(ovt_pb2_grpc.AuditorServicer):
+    def __init__(self, runner: AuditRunner) -> None:
+        self.runner = runner
+
+    def _job_id(self, job_id: bytes, context) -> bytes:
+        if len(job_id) != 32:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"job_id must be 32 bytes, got {len(job_id)}")
+        return bytes(job_id)
+
+    def _status(self, job_id: bytes, context) -> AuditStatus:
+        status = self.runner.get(self._job_id(job_id, context))
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no audit of job {job_id.hex()}")
+        return status
+
+    def Audit(self, request, context):
+        job_id = self._job_id(request.job_id, context)
+        address = request.trainer_address
+        if not address:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "trainer_address is empty")
+        if len(address) > MAX_ADDRESS_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"trainer_address is longer than {MAX_ADDRESS_CHARS} characters")
+        try:
+            split_address(address)
+            status = self.runner.submit(job_id, address)
+        except ConfigError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except QueueFullError as err:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        return report(status)
+
+    def GetAudit(self, request, context):
+        return report(self._status(request.job_id, context))
+
+    def WatchAudit(self, request, context):
+        status = self._status(request.job_id, context)
+        yield report(status)
+        while not status.finished and context.is_active() and not self.runner.stopping:
+            newer = self.runner.wait(status.job_id, status.version, WATCH_POLL_S)
+            if newer is not None and newer.version != status.version:
+                status = newer
+                yield report(status)

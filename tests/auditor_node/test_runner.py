@@ -1,0 +1,164 @@
+"""The audit queue with a scripted `run_audit` (no network, no training): join semantics, a
+failed audit retried, a bug contained, a stop that interrupts an audit which the next runner
+resumes, and verdicts that survive a restart."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from auditor_node.audit import AuditRecord
+from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
+from auditor_node.service import report
+from proto.claims import PeerError
+from protocol.profiles import Profile
+from protocol.signing import KeyPair
+
+JOB = bytes(range(32))
+OTHER = bytes(32)
+TIMEOUT_S = 10.0
+
+
+class Script:
+    """A stand-in for run_audit: reports `steps` steps, then does what `outcome` says."""
+
+    def __init__(self, outcome="matched", steps=3, delay_s=0.0):
+        self.outcome, self.steps, self.delay_s = outcome, steps, delay_s
+        self.calls: list[tuple[str, bytes]] = []
+
+    def __call__(self, trainer, job_id, store_root, key, profile, *, progress, **_):
+        self.calls.append((trainer, job_id))
+        for t in range(1, self.steps + 1):
+            time.sleep(self.delay_s)
+            progress(t, self.steps)
+        if self.outcome == "peer-error":
+            raise PeerError("trainer GetSpec failed: UNAVAILABLE: down")
+        if self.outcome == "bug":
+            raise KeyError("oops")
+        return AuditRecord(job_id=job_id, state=self.outcome, steps=self.steps,
+                           replayed=self.steps)
+
+
+def runner_for(tmp_path, script) -> AuditRunner:
+    return AuditRunner(tmp_path, KeyPair.generate(), Profile.parse("emulated-gpu"), audit=script)
+
+
+def wait_finished(runner, job_id):
+    status = runner.get(job_id)
+    while not status.finished:
+        newer = runner.wait(job_id, status.version, TIMEOUT_S)
+        assert newer.version > status.version, "no progress within the timeout"
+        status = newer
+    return status
+
+
+@pytest.fixture
+def running(tmp_path):
+    started = []
+
+    def start(script):
+        runner = runner_for(tmp_path, script)
+        runner.start()
+        started.append(runner)
+        return runner
+
+    yield start
+    for runner in started:
+        runner.stop(timeout=TIMEOUT_S)
+
+
+def test_an_audit_runs_and_a_second_request_joins_it(running, tmp_path):
+    script = Script()
+    runner = running(script)
+    first = runner.submit(JOB, "127.0.0.1:7000")
+    assert first.state in ("queued", "running", "matched")
+    status = wait_finished(runner, JOB)
+    assert (status.state, status.step, status.steps) == ("matched", 3, 3)
+    assert runner.submit(JOB, "127.0.0.1:7000").state == "matched"
+    assert script.calls == [("127.0.0.1:7000", JOB)]
+    assert (tmp_path / JOB.hex() / REQUEST_FILE).exists()
+    assert (tmp_path / JOB.hex() / RECORD_FILE).exists()
+
+
+def test_a_failed_audit_is_reported_and_retried(running):
+    script = Script("peer-error")
+    runner = running(script)
+    runner.submit(JOB, "127.0.0.1:7000")
+    status = wait_finished(runner, JOB)
+    assert status.state == "failed" and "UNAVAILABLE" in status.record.error
+    script.outcome = "matched"
+    runner.submit(JOB, "127.0.0.1:7000")
+    assert wait_finished(runner, JOB).state == "matched"
+    assert len(script.calls) == 2
+
+
+def test_a_bug_fails_one_audit_and_the_runner_goes_on(running, capsys):
+    script = Script("bug")
+    runner = running(script)
+    runner.submit(JOB, "127.0.0.1:7000")
+    status = wait_finished(runner, JOB)
+    assert status.state == "failed" and status.record.error == "internal error (KeyError)"
+    script.outcome = "matched"
+    runner.submit(OTHER, "127.0.0.1:7000")
+    assert wait_finished(runner, OTHER).state == "matched"
+    assert "KeyError" in capsys.readouterr().err  # the operator sees the traceback
+
+
+def test_stop_interrupts_an_audit_which_the_next_runner_resumes(tmp_path):
+    first = runner_for(tmp_path, Script(steps=100_000, delay_s=0.005))
+    first.start()
+    try:
+        first.submit(JOB, "127.0.0.1:7000")
+        status = first.get(JOB)
+        while status.step < 2:
+            status = first.wait(JOB, status.version, TIMEOUT_S)
+    finally:
+        first.stop(timeout=TIMEOUT_S)
+    assert not first._thread.is_alive()
+    assert first.get(JOB).state == "running"
+    assert not (tmp_path / JOB.hex() / RECORD_FILE).exists()
+    script = Script()
+    second = runner_for(tmp_path, script)
+    second.start()
+    try:
+        assert wait_finished(second, JOB).state == "matched"
+        assert script.calls == [("127.0.0.1:7000", JOB)]
+    finally:
+        second.stop(timeout=TIMEOUT_S)
+
+
+def test_verdicts_survive_a_restart_without_rerunning(tmp_path):
+    runner = runner_for(tmp_path, Script("diverged"))
+    runner.start()
+    try:
+        runner.submit(JOB, "127.0.0.1:7000")
+        assert wait_finished(runner, JOB).state == "diverged"
+    finally:
+        runner.stop(timeout=TIMEOUT_S)
+    script = Script()
+    again = runner_for(tmp_path, script)
+    again.start()
+    try:
+        status = again.get(JOB)
+        assert status.state == "diverged" and status.record.steps == 3
+        assert again.submit(JOB, "127.0.0.1:7000").state == "diverged"
+        assert script.calls == []
+    finally:
+        again.stop(timeout=TIMEOUT_S)
+
+
+def test_unknown_jobs_have_no_status(running):
+    runner = running(Script())
+    assert runner.get(JOB) is None
+    assert runner.wait(JOB, 0, 0.01) is None
+
+
+def test_a_diverged_status_reports_its_step_and_reason():
+    record = AuditRecord(job_id=JOB, state="diverged", steps=20, replayed=12, divergent_step=12,
+                         reason="state hash differs from the trainer's")
+    message = report(AuditStatus(JOB, "127.0.0.1:7000", "diverged", step=12, steps=20,
+                                 record=record, version=3))
+    assert (message.state, message.step, message.steps, message.divergent_step) == \
+        ("diverged", 12, 20, 12)
+    assert message.reason == record.reason and message.commitment == b"" and not message.error

@@ -1,0 +1,1 @@
+from .daemon import tiny_job, trainers  # noqa: F401  (fixtures)

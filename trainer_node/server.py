@@ -1,0 +1,78 @@
+"""Wiring of the trainer daemon: stores, job runner, Claims + Trainer servicers, health, TLS.
+
+    node = TrainerNode(TrainerConfig(listen="127.0.0.1:0", store=Path("store"),
+                                     key=KeyPair.load("trainer.key"), profile=Profile("cpu-2t")))
+    port = node.start()        # resumes unfinished jobs, then serves
+    ...
+    node.stop()                # the running job stops after its current step
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proto import ovt_pb2_grpc
+from proto.claims import ClaimsServicer, StoreDirectory
+from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server
+from protocol.profiles import Profile
+from protocol.signing import KeyPair
+
+from .runner import JobRunner
+from .service import TrainerServicer
+
+SERVICE_NAMES = ("ovt.v1.Claims", "ovt.v1.Trainer")
+log = logging.getLogger("ovt.trainer")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    listen: str
+    store: Path
+    key: KeyPair
+    profile: Profile
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    allow_remote_plaintext: bool = False
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    workers: int = 8
+    allowed_programs: tuple[str, ...] = field(default=())
+
+
+class TrainerNode:
+    """The trainer daemon in-process: `start` binds and serves, `stop` shuts down gracefully."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        config.profile.check_runnable()
+        config.store.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.stores = StoreDirectory(config.store)
+        self.runner = JobRunner(self.stores, config.key, config.profile)
+        claims = ClaimsServicer(self.stores)
+        trainer = TrainerServicer(config.store, self.runner, config.allowed_programs)
+        self.server, self.port = build_server(
+            config.listen,
+            [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
+             lambda s: ovt_pb2_grpc.add_TrainerServicer_to_server(trainer, s)],
+            service_names=SERVICE_NAMES, tls_cert=config.tls_cert, tls_key=config.tls_key,
+            allow_remote_plaintext=config.allow_remote_plaintext,
+            max_message_bytes=config.max_message_bytes, workers=config.workers)
+
+    def start(self) -> int:
+        """Queue unfinished jobs, start training and serving; returns the bound port."""
+        self.runner.start()
+        self.server.start()
+        log.info("serving on port %d (%s)", self.port,
+                 "TLS" if self.config.tls_cert else "plaintext")
+        return self.port
+
+    def stop(self, grace_s: float = 5.0, runner_timeout_s: float = 60.0) -> bool:
+        """Stop the runner after its current step and the server after `grace_s` seconds;
+        True if the runner ended in time."""
+        self.runner.stop(0)  # refuse new work and wake every Watch at once
+        self.server.stop(grace=grace_s).wait(grace_s + 1)
+        stopped = self.runner.stop(runner_timeout_s)
+        if not stopped:
+            log.error("the job runner did not stop within %.0f s", runner_timeout_s)
+        return stopped
