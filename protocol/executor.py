@@ -17,6 +17,7 @@ the duration of the step and restored afterwards, never flipped globally.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,11 @@ from .rounding import SiteRecorder, SiteReplayer
 from .splitk import ReorderMode, SplitK
 
 MODES = ("ovt", "plain", "plain64")
+
+# A step pins process-wide switches (backend flags, the intra-op thread count) and restores
+# them after; two steps in one process (a daemon regenerating S_t while it trains) must not
+# interleave, or one would restore the other's switches mid-step.
+_STEP_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,7 @@ class Executor:
                 SiteReplayer(self.policy, log, step=t)
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        with pinned_backends(), self.profile.applied(), self._arithmetic(rounder), \
+        with _STEP_LOCK, pinned_backends(), self.profile.applied(), self._arithmetic(rounder), \
                 PortableDropout(self.seed, t):
             loss = self.program.loss(self.model, batch)
             loss.backward()
