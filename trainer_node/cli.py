@@ -1,4 +1,4 @@
-"""`ovt-trainer serve | submit | status`: the trainer daemon and its client.
+"""`ovt-trainer serve | submit | status | certs`: the trainer daemon and its client.
 
     ovt-trainer serve --listen 127.0.0.1:50051 --store trainer-store --key trainer.key
     ovt-trainer submit --trainer 127.0.0.1:50051 job.ovtjob      # prints the job id
@@ -27,7 +27,7 @@ import grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError
-from proto.serving import make_channel
+from proto.serving import make_channel, make_self_signed_cert
 from protocol.errors import ConfigError, OvtError
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
@@ -100,7 +100,23 @@ def _parser() -> argparse.ArgumentParser:
                         help="print a line per step until the job is done or failed")
     _client_options(status)
     status.set_defaults(run=_status)
+
+    certs = sub.add_parser("certs", help="make a self-signed TLS certificate for local use")
+    certs.add_argument("--out", type=Path, required=True,
+                       help="folder for cert.pem and key.pem (serve with --tls-cert/--tls-key; "
+                            "clients pass cert.pem as --tls-ca)")
+    certs.add_argument("--hostname", default="localhost", help="default: %(default)s")
+    certs.set_defaults(run=_certs)
     return parser
+
+
+def _certs(args) -> int:
+    if (args.out / "key.pem").exists() or (args.out / "cert.pem").exists():
+        raise ConfigError(f"{args.out} already holds cert.pem or key.pem; not overwriting")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cert, key = make_self_signed_cert(args.out, args.hostname)
+    print(f"wrote {cert} and {key} (valid for {args.hostname}, localhost, 127.0.0.1, ::1)")
+    return 0
 
 
 def _client_options(parser: argparse.ArgumentParser) -> None:
