@@ -214,16 +214,17 @@ class Executor:
         if self.mode == "ovt" and rounder is None:
             rounder = SiteRecorder(self.policy) if log is None else \
                 SiteReplayer(self.policy, log, step=t)
-        start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        with _STEP_LOCK, pinned_backends(), self.profile.applied(), self._arithmetic(rounder), \
-                PortableDropout(self.seed, t):
-            loss = self.program.loss(self.model, batch)
-            loss.backward()
-            self.optimizer.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
+        with _STEP_LOCK:
+            start = time.perf_counter()  # the step's own time, not the wait for the lock
+            self.optimizer.zero_grad(set_to_none=True)
+            with pinned_backends(), self.profile.applied(), self._arithmetic(rounder), \
+                    PortableDropout(self.seed, t):
+                loss = self.program.loss(self.model, batch)
+                loss.backward()
+                self.optimizer.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
         if isinstance(rounder, SiteReplayer):
             rounder.finish()
         self.step_count = t
