@@ -91,3 +91,19 @@ class SignatureError(OvtError):
 
 class StoreError(OvtError):
     """A stored object that is missing or fails its hash check and cannot be regenerated."""
+
+
+class GameError(OvtError):
+    """A call that is not legal in the dispute game's current state (SPEC §5.2): a move after
+    the game is over, an answer when no question is outstanding or from an unknown party, a
+    question while one is outstanding, a timeout before the deadline, time running backwards.
+
+    A party's bad move (bad proof, malformed answer, silence) is never a GameError: it is an
+    outcome, that party losing. A GameError means the caller drove the game wrongly.
+    """
+
+
+class TranscriptError(GameError):
+    """A game transcript that does not replay: malformed records, an illegal move, or recorded
+    decisions or an outcome other than the ones the moves re-derive (SPEC §5.4, offline re-check).
+    """
