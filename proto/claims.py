@@ -67,10 +67,6 @@ class StoreDirectory:
         return [bytes.fromhex(p.parent.name) for p in sorted(self.root.glob("*/spec.ovtjob"))]
 
 
-def _abort(context, code: grpc.StatusCode, message: str):
-    context.abort(code, message)
-
-
 class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     def __init__(self, stores: StoreDirectory) -> None:
         self.stores = stores
@@ -89,23 +85,23 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
 
     def _store(self, job_id: bytes, context) -> JobStore:
         if len(job_id) != 32:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 32 bytes")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 32 bytes")
         store = self.stores.get(job_id)
         if store is None:
-            _abort(context, grpc.StatusCode.NOT_FOUND, f"unknown job {job_id.hex()}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id.hex()}")
         return store
 
     def _step(self, store: JobStore, step: int, context, *, allow_zero: bool = True) -> int:
         last = store.last_step()
         if step > last or (step == 0 and not allow_zero):
-            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
                    f"step {step} is not available (steps {0 if allow_zero else 1}..{last})")
         return step
 
     def _commitment(self, store: JobStore, n: int, context) -> SignedCommitment:
         signed = store.commitment(n or None)
         if signed is None:
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                    "no commitment yet" if not n else f"no commitment over {n} steps")
         return signed
 
@@ -123,7 +119,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         store = self._store(request.job_id, context)
         n = self._commitment(store, 0, context).commitment.n
         if request.step > n:
-            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
                    f"step {request.step} is beyond the committed {n} steps")
         return self._leaf_reply(store, request.step, self._tree(store, n))
 
@@ -132,7 +128,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         n = self._commitment(store, 0, context).commitment.n
         if request.first > request.last or request.last > n or \
                 request.last - request.first >= MAX_RANGE:
-            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
                    f"bad range {request.first}..{request.last} (committed steps 0..{n}, at "
                    f"most {MAX_RANGE} per call)")
         tree = self._tree(store, n)
@@ -145,7 +141,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         try:
             return ovt_pb2.LogReply(log=store.log_bytes(request.step))
         except StoreError as err:
-            _abort(context, grpc.StatusCode.DATA_LOSS, str(err))
+            context.abort(grpc.StatusCode.DATA_LOSS, str(err))
 
     def GetCheckpoint(self, request, context):
         store = self._store(request.job_id, context)
@@ -157,17 +153,17 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
             try:
                 state = store.state_at(request.step, ex)
             except StoreError as err:
-                _abort(context, grpc.StatusCode.DATA_LOSS, str(err))
+                context.abort(grpc.StatusCode.DATA_LOSS, str(err))
         yield from _chunks(safetensors.torch.save(state))
 
     def GetBatch(self, request, context):
         store = self._store(request.job_id, context)
         spec = store.spec
         if not 1 <= request.step <= spec.steps:
-            _abort(context, grpc.StatusCode.OUT_OF_RANGE,
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
                    f"step {request.step} is outside 1..{spec.steps}")
-        source, tree = self._data(spec)
-        indices = batch_indices(spec.seed, len(source), spec.config["batch_size"], request.step)
+        source, tree, batch_size = self._data(spec)
+        indices = batch_indices(spec.seed, len(source), batch_size, request.step)
         return ovt_pb2.BatchReply(examples=[
             ovt_pb2.Example(index=int(i), tensors=encode_state(source.example(int(i))),
                             proof=tree.proof(int(i))) for i in indices])
@@ -175,8 +171,9 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     def _data(self, spec: JobSpec):
         with self._lock:
             if spec.job_id not in self._data_trees:
-                source = spec.program_instance().dataset
-                self._data_trees[spec.job_id] = (source, commit_dataset(source)[1])
+                program = spec.program_instance()
+                self._data_trees[spec.job_id] = (
+                    program.dataset, commit_dataset(program.dataset)[1], program.batch_size)
             return self._data_trees[spec.job_id]
 
     @staticmethod

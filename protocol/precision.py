@@ -31,19 +31,19 @@ from .errors import ConfigError
 # for these pairs (float64->bfloat16 in torch goes through float32: double rounding, excluded).
 _FORMATS = {
     (torch.float64, torch.float32): dict(
-        int_dtype=torch.int64, shift=52 - 23, min_normal=2.0**-126, min_normal_exp=-126,
-        subnormal_ulp_exp=-149),
+        int_dtype=torch.int64, shift=52 - 23, min_normal=2.0**-126, subnormal_ulp_exp=-149,
+        abs_mask=0x7FFF_FFFF_FFFF_FFFF, min_normal_bits=(1023 - 126) << 52),
     (torch.float32, torch.bfloat16): dict(
-        int_dtype=torch.int32, shift=23 - 7, min_normal=2.0**-126, min_normal_exp=-126,
-        subnormal_ulp_exp=-133),
+        int_dtype=torch.int32, shift=23 - 7, min_normal=2.0**-126, subnormal_ulp_exp=-133,
+        abs_mask=0x7FFF_FFFF, min_normal_bits=1 << 23),
 }
 
 _DTYPE_NAMES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# Default band half-width in target ULPs. Measured with `ovt replay-check` (README "Precision
-# policy"): the largest float64 divergence between profiles here was below 1e-3 target ULP on
-# every op class, so 4e-3 leaves a margin of more than 4x while logging ~0.8% of elements... see
-# README for the exact figures and how to re-measure.
+# Default band half-width in target ULPs for general ops. float64->float32: set from
+# `ovt replay-check` (README "Precision policy"): the largest divergence between profiles
+# measured here was 1.5e-3 target ULP (BatchNorm backward under channels_last), so 2**-8 leaves
+# a 2.5x margin. float32->bfloat16: not measured yet; 2**-4 is a conservative guess.
 DEFAULT_TAU = {
     (torch.float64, torch.float32): 2.0**-8,
     (torch.float32, torch.bfloat16): 2.0**-4,
@@ -117,7 +117,8 @@ def near_boundary_mask(y: torch.Tensor, policy: PrecisionPolicy, tau: float) -> 
 
     Three passes over `y`: subtract, mask, compare. The subtraction is shifted so that one
     signed compare after masking tests the symmetric open interval (half - band, half + band).
-    Subnormal-target, overflowing and non-finite values are fixed up by `record_candidates`.
+    Subnormal-target, overflowing and non-finite values are fixed up by `band_candidates`
+    and its caller.
     """
     fmt = policy.fmt
     shift, band = fmt["shift"], policy.band(tau)
@@ -138,8 +139,9 @@ def band_candidates(flat: torch.Tensor, policy: PrecisionPolicy, tau: float) -> 
     that overflow the target may be returned; the caller drops them (no rounding choice there).
     """
     cand = near_boundary_mask(flat, policy, tau).nonzero().squeeze(1)
-    absbits = torch.bitwise_and(flat.view(policy.fmt["int_dtype"]), _ABS_MASK[policy.compute])
-    small = absbits < _MIN_NORMAL_BITS[policy.compute]  # zero or target-subnormal
+    fmt = policy.fmt
+    absbits = torch.bitwise_and(flat.view(fmt["int_dtype"]), fmt["abs_mask"])
+    small = absbits < fmt["min_normal_bits"]  # zero or target-subnormal
     zeros = flat.numel() - int(torch.count_nonzero(absbits))
     if int(torch.count_nonzero(small)) == zeros:
         return cand
@@ -147,10 +149,6 @@ def band_candidates(flat: torch.Tensor, policy: PrecisionPolicy, tau: float) -> 
     tiny = tiny[distance_to_boundary(flat[tiny], policy) < tau]
     cand = cand[~small[cand]]  # the integer test measured these against the wrong ULP
     return torch.cat([cand, tiny]).sort().values
-
-
-_ABS_MASK = {torch.float64: 0x7FFF_FFFF_FFFF_FFFF, torch.float32: 0x7FFF_FFFF}
-_MIN_NORMAL_BITS = {torch.float64: (1023 - 126) << 52, torch.float32: 1 << 23}  # 2**-126
 
 
 def distance_to_boundary(y: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:

@@ -11,11 +11,14 @@ import pytest
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, RemoteClaims, StoreDirectory, join_chunks
+from protocol.batches import batch_indices
+from protocol.datacommit import ProvenExample, verify_examples
 from protocol.jobrun import replay_job, run_job
 from protocol.jobspec import build_job
 from protocol.precision import PrecisionPolicy
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
+from protocol.state import decode_state
 from protocol.store import JobStore, Leaf
 
 pytestmark = pytest.mark.network
@@ -98,3 +101,13 @@ def test_a_leaf_inconsistent_with_the_signed_root_is_refused(served, tmp_path):
         server.stop(grace=None)
     finally:
         store._put_leaf(leaf)
+
+
+def test_a_served_batch_verifies_against_the_data_commitment(served):
+    spec, _, _, channel = served
+    stub = ovt_pb2_grpc.ClaimsStub(channel)
+    reply = stub.GetBatch(ovt_pb2.StepRef(job_id=spec.job_id, step=3), timeout=30)
+    items = [ProvenExample(e.index, decode_state(e.tensors), list(e.proof))
+             for e in reply.examples]
+    indices = batch_indices(spec.seed, spec.data.count, TINY["batch_size"], 3)
+    verify_examples(spec.data, items, indices)
