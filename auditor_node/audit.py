@@ -24,6 +24,7 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import DEFAULT_DEADLINE_S, PeerError, RemoteClaims
 from proto.serving import make_channel
+from protocol.challenge import Challenge
 from protocol.encoding import decode, encode
 from protocol.errors import ConfigError, EncodingError, OvtError
 from protocol.jobrun import AuditOutcome, Progress, replay_job
@@ -33,7 +34,6 @@ from protocol.programs.registry import BUILTIN
 from protocol.signing import Claim, KeyPair, SignedCommitment
 from protocol.store import JobStore, atomic_write
 
-from .challenge import Challenge
 from .leafcache import CachedClaims
 
 CHALLENGE_FILE = "challenge.ovt"

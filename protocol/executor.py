@@ -189,11 +189,14 @@ class Executor:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def batch(self, step: int) -> dict[str, torch.Tensor]:
-        """B_t, stacked, on the device, floats in the state dtype (SPEC §2 "Batch")."""
+    def examples(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The examples of B_t from the program's own dataset, in batch order (SPEC §2.1)."""
         ds = self.program.dataset
         idx = batch_indices(self.seed, len(ds), self.program.batch_size, step)
-        examples = [ds.example(int(i)) for i in idx]
+        return [ds.example(int(i)) for i in idx]
+
+    def stack(self, examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """A batch from its examples: stacked, on the device, floats in the state dtype."""
         batch = {}
         for name in examples[0]:
             t = torch.stack([e[name] for e in examples]).to(self.device)
@@ -204,13 +207,20 @@ class Executor:
             batch[name] = t
         return batch
 
-    def step(self, log: RoundingLog | None = None, rounder=None) -> StepResult:
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """B_t, stacked, on the device, floats in the state dtype (SPEC §2 "Batch")."""
+        return self.stack(self.examples(step))
+
+    def step(self, log: RoundingLog | None = None, rounder=None,
+             examples: list[dict[str, torch.Tensor]] | None = None) -> StepResult:
         """Run step t = step_count + 1: record (no log), replay (log given), or plain.
 
         `rounder` overrides the record/replay rounder (the divergence probe uses this).
+        `examples` are B_t's examples when they come from elsewhere than the program's own
+        dataset (the arbiter's, checked against the data commitment: SPEC §5.3).
         """
         t = self.step_count + 1
-        batch = self.batch(t)
+        batch = self.stack(examples) if examples is not None else self.batch(t)
         if self.mode == "ovt" and rounder is None:
             rounder = SiteRecorder(self.policy) if log is None else \
                 SiteReplayer(self.policy, log, step=t)

@@ -11,12 +11,12 @@ import json
 import pytest
 
 from auditor_node.audit import CHALLENGE_FILE, DIVERGED, MATCHED, run_audit
-from auditor_node.challenge import Challenge
 from auditor_node.cli import main
 from auditor_node.leafcache import CACHE_FILE
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, StoreDirectory
 from proto.serving import build_server, make_self_signed_cert
+from protocol.challenge import Challenge
 from protocol.errors import EncodingError, OvtError
 from protocol.signing import KeyPair
 from protocol.store import JobStore

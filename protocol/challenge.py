@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.encoding import decode, encode
-from protocol.errors import EncodingError, ProofError
-from protocol.signing import PROTOCOL_VERSION, Claim, SignedCommitment
+from .encoding import decode, encode
+from .errors import EncodingError, ProofError
+from .signing import PROTOCOL_VERSION, Claim, SignedCommitment
 
 _FIELDS = ("protocol_version", "job_id", "step", "reason", "trainer_commitment", "trainer_leaf",
            "auditor_commitment", "auditor_leaf")
