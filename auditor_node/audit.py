@@ -27,7 +27,7 @@ from proto.serving import make_channel
 from protocol.challenge import Challenge
 from protocol.encoding import decode, encode
 from protocol.errors import ConfigError, EncodingError, OvtError
-from protocol.jobrun import AuditOutcome, Progress, replay_job
+from protocol.jobrun import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.jobspec import JobSpec
 from protocol.profiles import Profile
 from protocol.programs.registry import BUILTIN
@@ -107,7 +107,8 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               profile: Profile, *, tls_ca: Path | None = None,
               allow_remote_plaintext: bool = False, progress: Progress | None = None,
               allowed_programs: Collection[str] = (),
-              deadline_s: float = DEFAULT_DEADLINE_S) -> AuditRecord:
+              deadline_s: float = DEFAULT_DEADLINE_S,
+              hooks: StepHooks | None = None) -> AuditRecord:
     """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
 
     Returns a matched or diverged record. Raises ConfigError for a malformed job id or address,
@@ -117,6 +118,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     trainer may not choose an arbitrary one), ProgramError if this machine's program source
     differs from the job's, StoreError for a damaged store; and whatever `progress`
     raises (the audit then resumes from the store on the next call).
+
+    `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
+    `replay_job`; None audits honestly.
     """
     if not isinstance(job_id, bytes) or len(job_id) != 32:
         raise ConfigError("a job id is 32 bytes (64 hex digits)")
@@ -131,7 +135,8 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)
             try:
-                outcome = replay_job(store, source, key, profile=profile, progress=progress)
+                outcome = replay_job(store, source, key, profile=profile, progress=progress,
+                                     hooks=hooks)
             finally:
                 source.close()
             return _record(channel, store, outcome, deadline_s)

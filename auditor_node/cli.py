@@ -25,6 +25,8 @@ from protocol.signing import KeyPair
 from protocol.store import atomic_write
 
 from .audit import MATCHED, AuditRecord, run_audit
+from .faults import KINDS as FAULT_KINDS
+from .faults import AuditorFaults, Fault, parse_auditor_fault
 from .server import AuditorNode
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
@@ -74,14 +76,35 @@ def _parser() -> argparse.ArgumentParser:
                                   "file.py:function) jobs may run here; built-ins always may")
         command.add_argument("--insecure-allow-remote-plaintext", action="store_true",
                              help=_PLAINTEXT_HELP)
+        command.add_argument("--inject-fault", action="append", default=[], type=_fault,
+                             metavar="KIND:STEP",
+                             help="FAULT INJECTION, for tests and demos only: makes this "
+                                  "auditor LIE at step STEP of every audit (repeatable). KIND: "
+                                  f"{', '.join(FAULT_KINDS)} (see auditor_node/faults.py)")
     return parser
+
+
+def _fault(text: str) -> Fault:
+    """argparse type of --inject-fault: a bad value is a usage error (exit 2, one line)."""
+    try:
+        return parse_auditor_fault(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _warn_faults(args) -> None:
+    if args.inject_fault:
+        print(f"ovt-auditor: WARNING: FAULT INJECTION: this auditor LIES on purpose "
+              f"({', '.join(map(str, args.inject_fault))}); for tests and demos only",
+              file=sys.stderr, flush=True)
 
 
 def _serve(args) -> int:
     node = AuditorNode(args.store, KeyPair.load(args.key), Profile.parse(args.profile),
                        listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
-                       allow_remote_plaintext=args.insecure_allow_remote_plaintext)
+                       allow_remote_plaintext=args.insecure_allow_remote_plaintext,
+                       faults=tuple(args.inject_fault))  # it warns when faults are set
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -106,10 +129,12 @@ def _audit(args) -> int:
         job_id = b""
     if len(job_id) != 32:
         raise ConfigError(f"--job must be a job id of 64 hex digits, got {args.job!r}")
+    _warn_faults(args)
     record = run_audit(args.trainer, job_id, args.store, KeyPair.load(args.key),
                        Profile.parse(args.profile), tls_ca=args.tls_ca,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
-                       allowed_programs=args.allow_program, progress=_progress)
+                       allowed_programs=args.allow_program, progress=_progress,
+                       hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None)
     if sys.stderr.isatty() and 0 < record.replayed < record.steps:
         print(file=sys.stderr)  # end the progress line
     print(json.dumps(record_json(record), indent=2) if args.json else verdict_line(record))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from protocol.encoding import decode, encode
 from protocol.errors import EncodingError, OvtError
+from protocol.jobrun import StepHooks
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
@@ -68,8 +69,12 @@ class AuditRunner:
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (),
-                 audit: Callable[..., AuditRecord] = run_audit) -> None:
+                 audit: Callable[..., AuditRecord] = run_audit,
+                 hooks: StepHooks | None = None) -> None:
+        """`hooks`: FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
+        every audit; None audits honestly."""
         self.store_root = Path(store_root)
+        self.hooks = hooks
         self.key, self.profile, self.tls_ca = key, profile, tls_ca
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
@@ -187,7 +192,9 @@ class AuditRunner:
             record = self._audit(trainer, job_id, self.store_root, self.key, self.profile,
                                  tls_ca=self.tls_ca, progress=progress,
                                  allow_remote_plaintext=self.allow_remote_plaintext,
-                                 allowed_programs=self.allowed_programs)
+                                 allowed_programs=self.allowed_programs,
+                                 # only when set: an `audit` stand-in need not know of hooks
+                                 **({} if self.hooks is None else {"hooks": self.hooks}))
         except _Stopped:
             return  # no record: `recover` queues it again on the next start
         except OvtError as err:

@@ -12,6 +12,7 @@ proofs, its checkpoints and the logs it replayed, exactly as it asks the trainer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,10 +22,12 @@ from proto.serving import build_server
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 
+from .faults import AuditorFaults, Fault
 from .runner import AuditRunner
 from .service import AuditorServicer
 
 SERVICE_NAMES = ("ovt.v1.Claims", "ovt.v1.Auditor")
+log = logging.getLogger("ovt.auditor")
 
 
 class AuditorNode:
@@ -33,11 +36,18 @@ class AuditorNode:
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *, listen: str,
                  tls_cert: Path | None = None, tls_key: Path | None = None,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
-                 allowed_programs: Collection[str] = ()) -> None:
+                 allowed_programs: Collection[str] = (),
+                 faults: Collection[Fault] = ()) -> None:
+        """`faults`: FAULT INJECTION only (tests and demos): make this auditor lie, see
+        `auditor_node.faults`."""
         profile.check_runnable()
+        if faults:
+            log.warning("FAULT INJECTION: this auditor LIES on purpose (%s); for tests and "
+                        "demos of the dispute game only", ", ".join(map(str, faults)))
         self.runner = AuditRunner(store_root, key, profile, tls_ca=tls_ca,
                                   allow_remote_plaintext=allow_remote_plaintext,
-                                  allowed_programs=allowed_programs)
+                                  allowed_programs=allowed_programs,
+                                  hooks=AuditorFaults(faults) if faults else None)
         claims = ClaimsServicer(StoreDirectory(Path(store_root)))
         auditor = AuditorServicer(self.runner)
         self.server, self.port = build_server(

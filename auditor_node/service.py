@@ -1,7 +1,8 @@
 """The Auditor gRPC service (ovt.v1.Auditor): the edge between peers and the `AuditRunner`.
 
 Audit starts (or joins) an audit and answers at once; GetAudit reports where it stands;
-WatchAudit streams a report on every change until the audit is matched, diverged or failed.
+WatchAudit streams a report on every change until the audit is matched, diverged or failed;
+GetChallenge hands an arbiter the challenge a diverged audit filed (SPEC §5.1).
 Requests are validated here and every problem becomes a status code with a one-line message:
 a job id that is not 32 bytes or a missing or malformed trainer address is INVALID_ARGUMENT, an
 audit this node has never heard of NOT_FOUND, a full queue RESOURCE_EXHAUSTED. No stack trace
@@ -78,3 +79,15 @@ class AuditorServicer(ovt_pb2_grpc.AuditorServicer):
             if newer is not None and newer.version != status.version:
                 status = newer
                 yield report(status)
+
+    def GetChallenge(self, request, context):
+        status = self._status(request.job_id, context)
+        record = status.record
+        if record is None or record.challenge is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no challenge for job {status.job_id.hex()} (audit {status.state})")
+        try:
+            data = record.challenge.read_bytes()
+        except OSError as err:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"the challenge file is unreadable: {err}")
+        return ovt_pb2.ChallengeReply(challenge=data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -35,6 +36,7 @@ from . import ovt_pb2, ovt_pb2_grpc
 
 CHUNK_BYTES = 1 << 20
 MAX_RANGE = 10_000
+LEAF_WINDOW = 64  # leaves RemoteClaims fetches per streamed GetLeaves
 DEFAULT_DEADLINE_S = 30.0
 _REGEN_PROFILE = Profile("regenerate")  # a node regenerating its own S_t: its own hardware
 
@@ -67,9 +69,22 @@ class StoreDirectory:
         return [bytes.fromhex(p.parent.name) for p in sorted(self.root.glob("*/spec.ovtjob"))]
 
 
+LeafFault = Callable[[int, "ovt_pb2.LeafReply", grpc.ServicerContext], "ovt_pb2.LeafReply"]
+
+
 class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
-    def __init__(self, stores: StoreDirectory) -> None:
+    """The Claims service over the stores under one directory.
+
+    `leaf_fault` is FAULT INJECTION only (a cheating trainer for tests and demos, see
+    `trainer_node.faults`): when set, every unary GetLeaf answer passes through
+    `leaf_fault(step, reply, context)`, which may forge it or stall. GetLeaves is left alone, so
+    a cheater can lie to point queries (the arbiter's bisection, a challenged leaf) while an
+    auditor's bulk download stays honest. An honest node leaves it None.
+    """
+
+    def __init__(self, stores: StoreDirectory, *, leaf_fault: LeafFault | None = None) -> None:
         self.stores = stores
+        self.leaf_fault = leaf_fault
         self._data_trees: dict[bytes, object] = {}
         self._trees: dict[tuple[bytes, int], MerkleTree] = {}  # committed leaves never change
         self._lock = threading.Lock()
@@ -121,7 +136,10 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         if request.step > n:
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                    f"step {request.step} is beyond the committed {n} steps")
-        return self._leaf_reply(store, request.step, self._tree(store, n))
+        reply = self._leaf_reply(store, request.step, self._tree(store, n))
+        if self.leaf_fault is not None:
+            reply = self.leaf_fault(request.step, reply, context)
+        return reply
 
     def GetLeaves(self, request, context):
         store = self._store(request.job_id, context)
@@ -211,7 +229,13 @@ def join_chunks(chunks, max_bytes: int) -> bytes:
 
 
 class RemoteClaims:
-    """A verified `ClaimSource` over a peer's Claims service (SPEC §5: trust nothing)."""
+    """A verified `ClaimSource` over a peer's Claims service (SPEC §5: trust nothing).
+
+    Leaves come in windows of up to `LEAF_WINDOW` through the streamed GetLeaves (one call per
+    window instead of one per leaf), each checked against the peer's signed root before any is
+    handed out; a leaf leaves the window once handed out. Unary GetLeaf is for point queries
+    (a challenged leaf, the arbiter's bisection).
+    """
 
     def __init__(self, channel: grpc.Channel, spec: JobSpec, *, role: str = "trainer",
                  deadline_s: float = DEFAULT_DEADLINE_S, max_state_bytes: int = 1 << 31) -> None:
@@ -219,6 +243,7 @@ class RemoteClaims:
         self.spec, self.role = spec, role
         self.deadline_s, self.max_state_bytes = deadline_s, max_state_bytes
         self._commitment: SignedCommitment | None = None
+        self._window: dict[int, Leaf] = {}
 
     def _call(self, name: str, request):
         try:
@@ -237,9 +262,33 @@ class RemoteClaims:
         return self._commitment
 
     def leaf(self, step: int) -> Leaf:
-        reply = self._call("GetLeaf", ovt_pb2.StepRef(job_id=self.spec.job_id, step=step))
-        leaf = Leaf(step, bytes(reply.state_hash), bytes(reply.log_hash))
+        if step not in self._window:
+            self._window = self._fetch_leaves(step)
+        return self._window.pop(step)
+
+    def _fetch_leaves(self, first: int) -> dict[int, Leaf]:
+        """Leaves first..first+LEAF_WINDOW-1 (at most to n), each verified; raises PeerError."""
         root = self.commitment().commitment
+        if not 0 <= first <= root.n:
+            raise PeerError(f"leaf {first} is outside the committed steps 0..{root.n}")
+        last = min(first + LEAF_WINDOW - 1, root.n)
+        request = ovt_pb2.StepRange(job_id=self.spec.job_id, first=first, last=last)
+        leaves: dict[int, Leaf] = {}
+        try:
+            for step, reply in zip(range(first, last + 1),
+                                   self.stub.GetLeaves(request, timeout=self.deadline_s),
+                                   strict=True):
+                leaves[step] = self._verified(step, reply, root)
+        except ValueError:  # zip: the stream was longer or shorter than asked
+            raise PeerError(f"{self.role} answered GetLeaves {first}..{last} with another "
+                            f"number of leaves") from None
+        except grpc.RpcError as err:
+            raise PeerError(f"{self.role} GetLeaves failed: {err.code().name}: "
+                            f"{err.details()}") from None
+        return leaves
+
+    def _verified(self, step: int, reply, root) -> Leaf:
+        leaf = Leaf(step, bytes(reply.state_hash), bytes(reply.log_hash))
         if reply.step != step or reply.tree_size != root.n + 1:
             raise PeerError(f"{self.role} answered leaf {reply.step} of a tree of "
                             f"{reply.tree_size} for leaf {step} of {root.n + 1}")

@@ -153,3 +153,9 @@ class AuditReport(_message.Message):
     commitment: bytes
     error: str
     def __init__(self, job_id: _Optional[bytes] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ..., commitment: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("challenge",)
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    challenge: bytes
+    def __init__(self, challenge: _Optional[bytes] = ...) -> None: ...

@@ -543,6 +543,11 @@ class AuditorStub:
                 request_serializer=proto_dot_ovt__pb2.JobRef.SerializeToString,
                 response_deserializer=proto_dot_ovt__pb2.AuditReport.FromString,
                 _registered_method=True)
+        self.GetChallenge = channel.unary_unary(
+                '/ovt.v1.Auditor/GetChallenge',
+                request_serializer=proto_dot_ovt__pb2.JobRef.SerializeToString,
+                response_deserializer=proto_dot_ovt__pb2.ChallengeReply.FromString,
+                _registered_method=True)
 
 
 class AuditorServicer:
@@ -567,6 +572,13 @@ class AuditorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetChallenge(self, request, context):
+        """the challenge a diverged audit filed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuditorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -584,6 +596,11 @@ def add_AuditorServicer_to_server(servicer, server):
                     servicer.WatchAudit,
                     request_deserializer=proto_dot_ovt__pb2.JobRef.FromString,
                     response_serializer=proto_dot_ovt__pb2.AuditReport.SerializeToString,
+            ),
+            'GetChallenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetChallenge,
+                    request_deserializer=proto_dot_ovt__pb2.JobRef.FromString,
+                    response_serializer=proto_dot_ovt__pb2.ChallengeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -667,6 +684,33 @@ class Auditor:
             '/ovt.v1.Auditor/WatchAudit',
             proto_dot_ovt__pb2.JobRef.SerializeToString,
             proto_dot_ovt__pb2.AuditReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetChallenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ovt.v1.Auditor/GetChallenge',
+            proto_dot_ovt__pb2.JobRef.SerializeToString,
+            proto_dot_ovt__pb2.ChallengeReply.FromString,
             options,
             channel_credentials,
             insecure,

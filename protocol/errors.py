@@ -107,3 +107,11 @@ class TranscriptError(GameError):
     """A game transcript that does not replay: malformed records, an illegal move, or recorded
     decisions or an outcome other than the ones the moves re-derive (SPEC §5.4, offline re-check).
     """
+
+
+class VerdictError(OvtError):
+    """A verdict that is not accepted (SPEC §5.4): bytes that do not parse strictly, a signature
+    that does not verify or is not the expected arbiter's, a transcript that does not replay, a
+    decision that does not follow from the transcript and the re-execution, or re-execution
+    evidence that does not reproduce the verdict's finding. One type, so a CLI catches it in one
+    place; the message names the first check that failed and its cause."""

@@ -19,15 +19,46 @@ from typing import Protocol
 import torch
 
 from .errors import LogMismatchError, LogViolationError, StoreError
-from .executor import Executor
+from .executor import Executor, StepResult
 from .jobspec import JobSpec
-from .logcodec import decode_log, encode_log, log_digest
+from .logcodec import RoundingLog, decode_log, encode_log, log_digest
 from .profiles import Profile
 from .signing import Commitment, KeyPair, SignedCommitment, sign_commitment
 from .state import state_digest
 from .store import JobStore, Leaf
 
 Progress = Callable[[int, int], None]
+
+
+class StepHooks:
+    """Seams around one step of `run_job` / `replay_job`, for fault injection only.
+
+    The base class is honest: it changes nothing, and a job run with it is byte-identical to one
+    run without hooks. Nodes pass a subclass only to make a party cheat on purpose (tests and
+    demos of the dispute game: `trainer_node.faults`, `auditor_node.faults`). Per step t the
+    caller does, in this order: `before(t, ex)`; `ex.step(log, examples=examples(t, B_t))`;
+    `after(t, ex, log_bytes)`, and stores what `after` returns. `after` must leave `ex` holding
+    the state it returns, since step t + 1 starts from the executor.
+    """
+
+    def examples(self, t: int, examples: list[dict[str, torch.Tensor]]
+                 ) -> list[dict[str, torch.Tensor]]:
+        """The examples step t trains on (given: B_t from the program's own dataset)."""
+        return examples
+
+    def before(self, t: int, ex: Executor) -> None:
+        """Called before step t runs; `ex` holds S_{t-1}."""
+
+    def after(self, t: int, ex: Executor, log: bytes) -> tuple[dict[str, torch.Tensor], bytes]:
+        """Called after step t ran; returns (S_t, L_t's bytes) to store. `ex` holds S_t."""
+        return ex.state(), log
+
+
+def _hooked_step(ex: Executor, hooks: StepHooks, t: int,
+                 log: RoundingLog | None) -> StepResult:
+    """Run step t on `ex` through `hooks`: `before`, then the step on `examples`' batch."""
+    hooks.before(t, ex)
+    return ex.step(log, examples=hooks.examples(t, ex.examples(t)))
 
 
 def _executor(spec: JobSpec, profile: Profile) -> Executor:
@@ -45,8 +76,12 @@ def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitmen
 
 
 def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
-            progress: Progress | None = None) -> SignedCommitment:
-    """Train the store's job to its last step (resuming where the store stops) and sign."""
+            progress: Progress | None = None, hooks: StepHooks | None = None
+            ) -> SignedCommitment:
+    """Train the store's job to its last step (resuming where the store stops) and sign.
+
+    `hooks` (fault injection only, see `StepHooks`) may alter each step and what is stored.
+    """
     spec = store.spec
     last = store.last_step()
     if last < 0:
@@ -54,8 +89,12 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
     ex = _executor(spec, profile)
     store.state_at(last, ex)
     for t in range(last + 1, spec.steps + 1):
-        result = ex.step()
-        store.append_step(t, ex.state(), encode_log(result.log))
+        if hooks is None:
+            result = ex.step()
+            store.append_step(t, ex.state(), encode_log(result.log))
+        else:
+            result = _hooked_step(ex, hooks, t, None)
+            store.append_step(t, *hooks.after(t, ex, encode_log(result.log)))
         if t % spec.commit_interval == 0 and t != spec.steps:
             _commit(store, key, "trainer", t)
         if progress:
@@ -116,8 +155,13 @@ class AuditOutcome:
 
 
 def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: Profile,
-               progress: Progress | None = None) -> AuditOutcome:
-    """Replay the trainer's job on this profile into the auditor's own store, and sign."""
+               progress: Progress | None = None, hooks: StepHooks | None = None
+               ) -> AuditOutcome:
+    """Replay the trainer's job on this profile into the auditor's own store, and sign.
+
+    `hooks` (fault injection only, see `StepHooks`) may alter each replayed step and what the
+    auditor stores.
+    """
     spec = store.spec
     trainer = source.commitment()
     trainer.verify(job_id=spec.job_id, role="trainer", n=spec.steps)
@@ -133,7 +177,7 @@ def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: P
     t = last
     while divergent is None and t < spec.steps:
         t += 1
-        divergent, reason = _replay_step(store, source, ex, t)
+        divergent, reason = _replay_step(store, source, ex, t, hooks)
         if progress:
             progress(t, spec.steps)
     n = store.last_step()
@@ -149,16 +193,21 @@ def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
     return None, None
 
 
-def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int):
+def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int,
+                 hooks: StepHooks | None = None):
     claimed = source.leaf(t)
     data = source.log_bytes(t)
     if log_digest(data) != claimed.log_hash:
         return t, "the trainer served a rounding log that does not match its own leaf"
     try:
-        ex.step(decode_log(data))
+        if hooks is None:
+            ex.step(decode_log(data))
+        else:
+            _hooked_step(ex, hooks, t, decode_log(data))
     except (LogViolationError, LogMismatchError) as err:
         return t, f"the trainer's rounding log is invalid: {err}"
-    leaf = store.append_step(t, ex.state(), data)
+    state, data = (ex.state(), data) if hooks is None else hooks.after(t, ex, data)
+    leaf = store.append_step(t, state, data)
     if leaf.state_hash != claimed.state_hash:
         return t, "state hash differs from the trainer's"
     return None, None

@@ -33,6 +33,8 @@ from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
 
+from .faults import KINDS as FAULT_KINDS
+from .faults import Fault, parse_fault
 from .server import TrainerConfig, TrainerNode
 
 EXIT_FAILED = 1
@@ -86,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve plaintext on a non-loopback address (anyone on the path "
                             "can read and alter the traffic)")
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    serve.add_argument("--inject-fault", action="append", default=[], metavar="KIND:STEP",
+                       type=_fault,
+                       help="FAULT INJECTION, for tests and demos only: makes this trainer "
+                            "CHEAT at step STEP of every job (repeatable). KIND: "
+                            f"{', '.join(FAULT_KINDS)} (see trainer_node/faults.py)")
     serve.set_defaults(run=_serve)
 
     submit = sub.add_parser("submit", help="submit a job spec and its S_0 to a trainer")
@@ -108,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--hostname", default="localhost", help="default: %(default)s")
     certs.set_defaults(run=_certs)
     return parser
+
+
+def _fault(text: str) -> Fault:
+    """argparse type of --inject-fault: a bad value is a usage error (exit 2, one line)."""
+    try:
+        return parse_fault(text, FAULT_KINDS)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _certs(args) -> int:
@@ -141,7 +156,7 @@ def _serve(args) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         allow_remote_plaintext=args.insecure_allow_remote_plaintext,
         max_message_bytes=args.max_message_mb << 20, workers=args.workers,
-        allowed_programs=tuple(args.allow_program)))
+        allowed_programs=tuple(args.allow_program), faults=tuple(args.inject_fault)))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from proto.claims import StoreDirectory
 from protocol.errors import OvtError
-from protocol.jobrun import run_job
+from protocol.jobrun import StepHooks, run_job
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import JobStore
@@ -50,8 +50,11 @@ class _StopRequested(Exception):
 class JobRunner:
     """A queue of jobs and the one thread that trains them. Thread-safe."""
 
-    def __init__(self, stores: StoreDirectory, key: KeyPair, profile: Profile) -> None:
-        self.stores, self.key, self.profile = stores, key, profile
+    def __init__(self, stores: StoreDirectory, key: KeyPair, profile: Profile, *,
+                 hooks: StepHooks | None = None) -> None:
+        """`hooks`: FAULT INJECTION only (`trainer_node.faults`), passed to every `run_job`;
+        None trains honestly."""
+        self.stores, self.key, self.profile, self.hooks = stores, key, profile, hooks
         self._changed = threading.Condition()
         self._status: dict[bytes, JobStatus] = {}
         self._queue: deque[bytes] = deque()
@@ -151,7 +154,7 @@ class JobRunner:
         log.info("job %s: training from step %d of %d", job_id.hex(), store.last_step(), steps)
         self._update(job_id, state=RUNNING, step=store.last_step())
         try:
-            signed = run_job(store, self.key, profile=self.profile,
+            signed = run_job(store, self.key, profile=self.profile, hooks=self.hooks,
                              progress=lambda step, _: self._progress(job_id, step))
         except _StopRequested:
             self._update(job_id, state=QUEUED)

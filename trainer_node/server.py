@@ -19,6 +19,7 @@ from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 
+from .faults import Fault, TrainerFaults
 from .runner import JobRunner
 from .service import TrainerServicer
 
@@ -38,6 +39,8 @@ class TrainerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     workers: int = 8
     allowed_programs: tuple[str, ...] = field(default=())
+    # FAULT INJECTION (tests and demos only): make this trainer cheat, see trainer_node.faults.
+    faults: tuple[Fault, ...] = field(default=())
 
 
 class TrainerNode:
@@ -48,8 +51,14 @@ class TrainerNode:
         config.store.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.stores = StoreDirectory(config.store)
-        self.runner = JobRunner(self.stores, config.key, config.profile)
-        claims = ClaimsServicer(self.stores)
+        faults = TrainerFaults(config.faults) if config.faults else None
+        if faults is not None:
+            log.warning("FAULT INJECTION: this trainer CHEATS on purpose (%s); for tests and "
+                        "demos of the dispute game only", ", ".join(map(str, config.faults)))
+        self.runner = JobRunner(self.stores, config.key, config.profile,
+                                hooks=faults if faults and faults.training else None)
+        claims = ClaimsServicer(self.stores, leaf_fault=faults.leaf_fault
+                                if faults and faults.serving else None)
         trainer = TrainerServicer(config.store, self.runner, config.allowed_programs)
         self.server, self.port = build_server(
             config.listen,

@@ -67,8 +67,9 @@ def liar_root(trained, tmp_path_factory) -> Path:
 
 
 class Counting(ClaimsServicer):
-    """The trainer's Claims, noting every (call, step) the auditor makes; each GetLog waits
-    `log_delay_s` first (a slow trainer, so an audit can be interrupted mid-way)."""
+    """The trainer's Claims, noting every (call, step) the auditor makes (GetLeaves: one per
+    leaf streamed); each GetLog waits `log_delay_s` first (a slow trainer, so an audit can be
+    interrupted mid-way)."""
 
     def __init__(self, stores, log_delay_s: float = 0.0):
         super().__init__(stores)
@@ -78,6 +79,11 @@ class Counting(ClaimsServicer):
     def GetLeaf(self, request, context):
         self.calls.append(("GetLeaf", request.step))
         return super().GetLeaf(request, context)
+
+    def GetLeaves(self, request, context):
+        for reply in super().GetLeaves(request, context):
+            self.calls.append(("GetLeaves", reply.step))
+            yield reply
 
     def GetLog(self, request, context):
         self.calls.append(("GetLog", request.step))

@@ -134,6 +134,6 @@ def test_a_killed_daemon_resumes_its_audit_without_refetching(trained, auditors,
         assert restarted.terminate() == 0, restarted.log_text()
     assert ("GetCheckpoint", 0) in before and slow.steps("GetCheckpoint") == []
     assert min(slow.steps("GetLog")) > replayed  # no log of a replayed step is asked again
-    assert min(slow.steps("GetLeaf")) > replayed  # nor a leaf verified before the crash
+    assert min(slow.steps("GetLeaves")) > replayed  # nor a leaf verified before the crash
     assert sorted(set(slow.steps("GetLog"))) == list(range(min(slow.steps("GetLog")),
                                                            STEPS + 1))

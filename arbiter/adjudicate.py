@@ -1,0 +1,213 @@
+"""One adjudication: the bisection game against both parties, re-execution, a signed verdict.
+
+`adjudicate` drives `protocol.game` (the rules, SPEC §5.2) over two `Party` transports: each
+round it asks both parties for the same leaf at once, feeds their answers to the game in the
+order they arrive, and when a party has not answered by the per-move deadline it lets the
+deadline pass and calls `game.timeout`. A party whose call fails is asked again until the
+deadline: only silence at the deadline loses, not a dropped connection that recovers in time.
+
+When the game ends at a disputed step i it gathers the evidence of SPEC §5.3 — S_{i-1}, B_i
+with data proofs, the trainer's L_i — from the trainer first and the auditor second, keeping
+only what verifies against what both signed (h_{i-1}, the job's data root, the trainer's ℓ_i),
+re-executes step i on this machine's profile (`protocol.reexecute`), and signs the verdict of
+SPEC §5.4 (`protocol.verdict`). Everything a party says is checked by the game or here; the
+arbiter trusts only the job spec (whose hash is the job id) and the keys it is given.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from protocol import game
+from protocol.batches import batch_indices
+from protocol.challenge import Challenge
+from protocol.datacommit import ProvenExample, verify_examples
+from protocol.errors import ConfigError, OvtError
+from protocol.game import AUDITOR, TRAINER, Dispute, GameState
+from protocol.jobspec import JobSpec
+from protocol.logcodec import log_digest
+from protocol.profiles import Profile
+from protocol.reexecute import Reexecution, reexecute, withheld
+from protocol.signing import KeyPair
+from protocol.state import state_digest
+from protocol.verdict import Verdict, sign_verdict
+
+from .parties import NoAnswer, Party
+
+DEFAULT_DEADLINE_S = 30.0
+DEFAULT_EVIDENCE_TIMEOUT_S = 300.0
+_RETRY_S = 0.2
+
+Events = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What step i was re-executed from (kept so a verdict's h_i* can be re-checked)."""
+
+    prev_state: dict[str, torch.Tensor]
+    examples: list[ProvenExample]
+    log: bytes
+
+
+@dataclass(frozen=True)
+class Adjudication:
+    verdict: Verdict
+    evidence: Evidence | None  # None when the game ended without a disputed step or evidence
+
+
+def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Party, *,
+               key: KeyPair, profile: Profile, trainer_key: bytes | None = None,
+               auditor_key: bytes | None = None, deadline_s: float = DEFAULT_DEADLINE_S,
+               evidence_timeout_s: float = DEFAULT_EVIDENCE_TIMEOUT_S,
+               events: Events | None = None) -> Adjudication:
+    """Adjudicate `challenge` on job `spec` between the two parties (see the module docstring).
+
+    `trainer_key` / `auditor_key` are the parties' registered public keys; None takes the key
+    each commitment names (then the verdict says who signed, not who that is). Raises
+    ConfigError if the challenge is for another job; every misbehaviour of a party is a
+    verdict, not an exception.
+    """
+    if challenge.job_id != spec.job_id:
+        raise ConfigError(f"the challenge is for job {challenge.job_id.hex()}, not "
+                          f"{spec.job_id.hex()}")
+    say = events or (lambda text: None)
+    started = time.time()
+    state = game.start(
+        spec, challenge.trainer_commitment, challenge.auditor_commitment, challenge.step,
+        trainer_key=trainer_key or challenge.trainer_commitment.commitment.public_key,
+        auditor_key=auditor_key or challenge.auditor_commitment.commitment.public_key,
+        trainer_leaf=challenge.trainer_leaf, auditor_leaf=challenge.auditor_leaf,
+        now=started, deadline_s=deadline_s)
+    parties = {TRAINER: trainer, AUDITOR: auditor}
+    while game.is_running(state):
+        state = _round(state, parties, say)
+    bisected = time.time()
+
+    dispute, reexec, evidence = game.dispute(state), None, None
+    if dispute is not None:
+        say(f"step {dispute.step} is disputed: fetching S_{dispute.step - 1}, "
+            f"B_{dispute.step} and L_{dispute.step}")
+        evidence, reexec = _gather(spec, dispute, parties, profile, evidence_timeout_s)
+        fetched = time.time()
+        if reexec is None:
+            say(f"re-executing step {dispute.step} on {profile.name}")
+            reexec = reexecute(spec, dispute, evidence.prev_state, evidence.examples,
+                               evidence.log, profile=profile)
+    else:
+        fetched = bisected
+    done = time.time()
+    verdict = sign_verdict(
+        spec, state, reexec, key=key,
+        timings={"bisection_s": bisected - started, "evidence_s": fetched - bisected,
+                 "reexecution_s": done - fetched, "total_s": done - started},
+        bytes_moved={TRAINER: trainer.bytes_received, AUDITOR: auditor.bytes_received})
+    return Adjudication(verdict, evidence)
+
+
+# -- the bisection ------------------------------------------------------------------------------
+
+def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameState:
+    """Ask the next question of both parties and play their answers (or their silence)."""
+    state, step = game.ask(state, time.time())
+    limit = game.deadline(state)
+    answers: queue.Queue = queue.Queue()
+    threads = [threading.Thread(target=_fetch_leaf, args=(role, party, step, limit, answers),
+                                name=f"ovt-arbiter-{role}", daemon=True)
+               for role, party in parties.items()]
+    for thread in threads:
+        thread.start()
+    pending = len(threads)
+    while pending and game.is_running(state) and game.needs_answer_from(state):
+        role, data, at = answers.get()
+        pending -= 1
+        if data is not None:
+            state = game.answer(state, role, data, max(at, state.clock))
+    if game.is_running(state) and game.needs_answer_from(state):
+        while time.time() <= limit:
+            time.sleep(limit - time.time() + 0.001)
+        state = game.timeout(state, max(time.time(), state.clock))
+    for thread in threads:
+        thread.join(max(limit - time.time(), 0) + 1.0)
+    say(_describe(state, step))
+    return state
+
+
+def _fetch_leaf(role: str, party: Party, step: int, limit: float, out: queue.Queue) -> None:
+    """Ask `party` for leaf `step` until it answers or the deadline passes; report either."""
+    while True:
+        remaining = limit - time.time()
+        if remaining <= 0:
+            out.put((role, None, time.time()))
+            return
+        try:
+            data = party.leaf(step, remaining)
+        except NoAnswer:
+            time.sleep(min(_RETRY_S, max(limit - time.time(), 0)))
+            continue
+        out.put((role, data, time.time()))
+        return
+
+
+def _describe(state: GameState, step: int) -> str:
+    q = game.rounds(state)
+    if state.outcome is not None and state.outcome.kind != "disagreed-at":
+        return f"question {q} (leaf {step}): {state.outcome.reason}"
+    if step == 0:
+        return f"question {q} (leaf 0): both leaves are the job's h_0"
+    decision = next(r for r in reversed(state.transcript) if isinstance(r, game.Decision))
+    verb = "agree" if decision.agreed else "disagree"
+    return f"question {q} (leaf {step}): the parties {verb}; interval now " \
+           f"[{decision.lo}, {decision.hi}]"
+
+
+# -- the evidence (SPEC §5.3) -------------------------------------------------------------------
+
+def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile: Profile,
+            timeout_s: float) -> tuple[Evidence | None, Reexecution | None]:
+    """S_{i-1}, B_i and L_i, each from the first party whose answer verifies. When nobody's
+    does, the `withheld` finding instead (L_i is the trainer's alone to serve; S_{i-1} and
+    B_i either party could, so neither serving one is on both)."""
+    i = dispute.step
+    program = spec.program_instance()
+    indices = batch_indices(spec.seed, spec.data.count, program.batch_size, i)
+
+    def state_ok(state):
+        return state_digest(state) == dispute.agreed.state_hash and \
+            "step" in state and int(state["step"]) == i - 1
+
+    def batch_ok(examples):
+        verify_examples(spec.data, examples, indices)
+        return True
+
+    def log_ok(data):
+        return log_digest(data) == dispute.trainer.log_hash
+
+    wanted = (
+        (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s), state_ok, "both"),
+        (f"B_{i}", lambda p: p.batch(i, timeout_s), batch_ok, "both"),
+        (f"L_{i}", lambda p: p.log(i, timeout_s), log_ok, TRAINER),
+    )
+    found, problems = [], []
+    for name, fetch, ok, owed_by in wanted:
+        value = None
+        for role, party in parties.items():
+            try:
+                candidate = fetch(party)
+                if ok(candidate):
+                    value = candidate
+                    break
+                problems.append(f"the {role}'s {name} does not match what was signed")
+            except (OvtError, ValueError, KeyError) as err:
+                problems.append(f"the {role} did not serve {name}: {err}")
+        if value is None:
+            return None, withheld(i, owed_by, f"nobody served a valid {name}: "
+                                  + "; ".join(problems), profile.name)
+        found.append(value)
+    return Evidence(*found), None

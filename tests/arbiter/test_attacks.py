@@ -1,0 +1,84 @@
+"""The attack suite (issue 5, SPEC §6): every cheat, at the first, a middle and the last step.
+
+A cheating trainer (trainer_node.faults, the same hooks the daemon's --inject-fault uses) trains
+the job; an auditor on other hardware replays it and files its challenge; the arbiter bisects
+between the two stores and re-executes on a third profile. The verdict must name the trainer
+and the exact step, in at most ceil(log2 n) bisection rounds, and re-verify offline. A lying
+auditor must lose the same way. An honest trainer must never be found at fault: 20 seeded jobs
+over 5 profile pairs, each challenged by a lying auditor at a seeded step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from auditor_node.faults import AuditorFaults
+from protocol.profiles import Profile
+from protocol.verdict import verify_verdict
+from trainer_node.faults import TrainerFaults, parse_fault
+
+from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train
+
+# What the arbiter finds re-executing each cheat's step: a trainer that trained on other data or
+# with another setting still serves the log it recorded, which does not fit the honest replay
+# (invalid-log); one whose log and state disagree otherwise replays to another state.
+TRAINING_CHEATS = {"relabel": "invalid-log", "swap-examples": "invalid-log",
+                   "skip-step": "invalid-log", "lr": "invalid-log", "log-invent": "invalid-log",
+                   "swap-checkpoint": "wrong-state", "log-flip": "wrong-state",
+                   "log-drop": "wrong-state"}
+POSITIONS = (1, STEPS // 2 + 1, STEPS)
+
+
+def _assert_verdict(result, fault: str, step: int, n: int = STEPS) -> None:
+    verdict = result.verdict
+    assert (verdict.fault, verdict.step) == (fault, step), verdict.reason
+    assert verdict.rounds <= log2_bound(n)
+    assert verify_verdict(verdict.to_bytes()).to_bytes() == verdict.to_bytes()
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("kind", TRAINING_CHEATS)
+def test_a_cheating_trainer_is_at_fault_at_its_step(job, tmp_path, kind, position):
+    spec, state0 = job
+    hooks = TrainerFaults([parse_fault(f"{kind}:{position}")])
+    cheater = train(tmp_path / "trainer", spec, state0, hooks=hooks)
+    dispute = audit(tmp_path / "auditor", cheater)
+    assert dispute.challenge is not None and dispute.challenge.step == position
+    result = settle(dispute)
+    _assert_verdict(result, "trainer", position)
+    assert result.verdict.finding == TRAINING_CHEATS[kind]
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_a_lying_auditor_is_at_fault_at_its_step(job, tmp_path, position):
+    spec, state0 = job
+    trainer = train(tmp_path / "trainer", spec, state0)
+    dispute = audit(tmp_path / "auditor", trainer,
+                    hooks=AuditorFaults([parse_fault(f"false-challenge:{position}")]))
+    assert dispute.challenge.step == position
+    result = settle(dispute)
+    _assert_verdict(result, "auditor", position)
+    assert result.verdict.finding == "false-challenge"
+
+
+PAIRS = [("cpu-2t", "emulated-gpu", "cpu-1t"), ("cpu-1t", "channels-last", "emulated-gpu"),
+         ("emulated-gpu", "cpu-1t", "channels-last"), ("channels-last", "cpu-2t", "cpu-1t"),
+         ("cpu-1t", "cpu-2t", "emulated-gpu")]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "->".join(p))
+def test_an_honest_trainer_is_never_at_fault(tmp_path, seed, pair):
+    trainer_p, auditor_p, arbiter_p = (Profile.parse(p) for p in pair)
+    steps = 6
+    spec, state0 = tiny_job(seed=seed, steps=steps)
+    trainer = train(tmp_path / "trainer", spec, state0, profile=trainer_p)
+    honest_audit = audit(tmp_path / "auditor", trainer, profile=auditor_p)
+    assert honest_audit.challenge is None  # other hardware, the same bits
+    k = random.Random(f"{seed}{pair}").randint(1, steps)
+    lying = audit(tmp_path / "liar", trainer, profile=auditor_p,
+                  hooks=AuditorFaults([parse_fault(f"false-challenge:{k}")]))
+    result = settle(lying, profile=arbiter_p)
+    _assert_verdict(result, "auditor", k, n=steps)

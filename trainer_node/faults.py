@@ -1,0 +1,257 @@
+"""FAULT INJECTION: a trainer that cheats on purpose, for tests and demos of the dispute game.
+
+Nothing here runs unless `ovt-trainer serve --inject-fault KIND:STEP` (or a test) asks for it;
+an honest trainer never builds a `TrainerFaults`. Each fault is one of the threats of SPEC §6,
+made real at one step k so that an auditor's replay, and then the arbiter, must catch it there:
+
+training faults (applied through `protocol.jobrun.StepHooks` while the job trains):
+    relabel:k          step k trains on B_k with example 0's target changed
+    swap-examples:k    step k trains on B_k with example 0 replaced by an example not in B_k
+    skip-step:k        step k does not train: S_k is S_{k-1} with its step counter set to k,
+                       and L_k is the empty log
+    lr:k               from step k on, every parameter group's learning rate is doubled
+    swap-checkpoint:k  S_k is stored (and trained on) one ULP off at one model element
+    log-flip:k         step k trains honestly, but L_k has one entry's direction flipped
+    log-invent:k       step k trains honestly, but L_k has an entry at an element the trainer
+                       did not log (one far from any rounding boundary, so replay rejects it)
+    log-drop:k         step k rounds one logged element the other (legal) way, and L_k omits
+                       that entry: the log claims nearest-even rounding where none was applied
+
+serving faults (applied by the Claims service to unary GetLeaf queries, not to GetLeaves):
+    forge-leaf:k       GetLeaf(k) answers a leaf whose state hash has one byte flipped, so its
+                       proof does not verify under the signed root
+    stall:k            GetLeaf(k) never answers (until the caller gives up or the server stops)
+
+The faults apply to every job the daemon trains or serves. Several may be combined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from proto import ovt_pb2
+from protocol.batches import batch_indices
+from protocol.errors import ConfigError
+from protocol.executor import Executor
+from protocol.jobrun import StepHooks
+from protocol.logcodec import RoundingLog, SiteLog, decode_log, encode_log
+
+TRAINING_KINDS = ("relabel", "swap-examples", "skip-step", "lr", "swap-checkpoint",
+                  "log-flip", "log-invent", "log-drop")
+SERVING_KINDS = ("forge-leaf", "stall")
+KINDS = TRAINING_KINDS + SERVING_KINDS  # a trainer's faults
+AUDITOR_KINDS = ("false-challenge",)  # a lying auditor's (auditor_node.faults)
+ALL_KINDS = KINDS + AUDITOR_KINDS
+STALL_POLL_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: `kind` at step `step` (>= 1)."""
+
+    kind: str
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.step}"
+
+
+def parse_fault(text: str, kinds: Iterable[str] = ALL_KINDS) -> Fault:
+    """Parse "KIND:STEP" (e.g. "relabel:5") with KIND one of `kinds` (default: any trainer or
+    auditor fault). Raises ConfigError naming the allowed kinds."""
+    kinds = tuple(kinds)
+    kind, sep, step = text.strip().partition(":")
+    if not sep or kind not in kinds:
+        raise ConfigError(f"bad fault {text!r}: expected KIND:STEP with KIND one of "
+                          f"{', '.join(kinds)}")
+    try:
+        value = int(step)
+    except ValueError:
+        value = 0
+    if value < 1 or not step.isdigit():
+        raise ConfigError(f"bad fault {text!r}: STEP must be a step number >= 1")
+    return Fault(kind, value)
+
+
+def one_ulp_off(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `state` with element 0 of its first floating model tensor moved one ULP up.
+
+    The smallest change a state can have: its hash differs, nothing else visibly does.
+    """
+    out = dict(state)
+    name = next((k for k, v in state.items() if k.startswith("model.") and
+                 v.is_floating_point() and v.numel()), None)
+    if name is None:
+        raise ConfigError("the state has no floating model tensor to perturb")
+    flat = state[name].reshape(-1).clone()
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
+    out[name] = flat.reshape(state[name].shape)
+    return out
+
+
+def _flip_entry(log: RoundingLog) -> tuple[RoundingLog, int, int]:
+    """`log` with the last entry of its last site that has entries flipped; (log, site, entry).
+
+    In the built-in programs that site is the optimizer's parameter update, so the flipped
+    direction lands in S_t itself and cannot be absorbed by later rounding.
+    """
+    sites = log.sites
+    which = next((i for i in reversed(range(len(sites))) if sites[i].indices.size), None)
+    if which is None:
+        raise ConfigError("the step's rounding log has no entry to flip")
+    site = sites[which]
+    up = site.up.copy()
+    up[-1] = not up[-1]
+    changed = SiteLog(site.numel, site.indices, up)
+    return RoundingLog(sites[:which] + (changed,) + sites[which + 1:]), which, len(up) - 1
+
+
+def _drop_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:
+    site = log.sites[which]
+    keep = [i for i in range(site.indices.size) if i != entry]
+    changed = SiteLog(site.numel, site.indices[keep], site.up[keep])
+    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:])
+
+
+def _invent_entry(log: RoundingLog) -> RoundingLog:
+    """`log` with one entry the trainer never recorded.
+
+    Placed at element 0 of the first site without entries (often an op rounded with tau 0,
+    where any entry is a violation), else at the first unlogged element of the first site that
+    has one; such an element is almost surely far from a boundary (d >= 2 tau), so a replay
+    raises LogViolationError there.
+    """
+    sites = log.sites
+    which = next((i for i, s in enumerate(sites) if s.numel and not s.indices.size), None)
+    if which is not None:
+        index = 0
+    else:
+        which, index = next(((i, _first_gap(s)) for i, s in enumerate(sites)
+                             if s.indices.size < s.numel), (None, None))
+        if which is None:
+            raise ConfigError("every element of the step's rounding log is logged already")
+    site = sites[which]
+    pos = int((site.indices < index).sum())
+    indices = site.indices.tolist()
+    up = site.up.tolist()
+    indices.insert(pos, index)
+    up.insert(pos, True)
+    changed = SiteLog(site.numel, np.array(indices, dtype=np.int64), np.array(up, dtype=bool))
+    return RoundingLog(sites[:which] + (changed,) + sites[which + 1:])
+
+
+def _first_gap(site: SiteLog) -> int:
+    """The smallest element index of `site` that is not logged."""
+    logged = set(site.indices.tolist())
+    return next(i for i in range(site.numel) if i not in logged)
+
+
+def _relabelled(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`example` with the last element of each integer tensor changed by one, staying in range.
+
+    That element is the target in both built-in programs: image-cnn's "label", and the last
+    token of char-transformer's "tokens" (the next character the last position predicts).
+    """
+    out = {}
+    for name, value in example.items():
+        if value.dtype.is_floating_point or value.dtype == torch.bool or not value.numel():
+            out[name] = value
+            continue
+        flat = value.reshape(-1).clone()
+        flat[-1] = flat[-1] - 1 if flat[-1] > 0 else flat[-1] + 1
+        out[name] = flat.reshape(value.shape)
+    if all(out[n] is example[n] for n in example):
+        raise ConfigError("relabel: the program's examples have no integer target to change")
+    return out
+
+
+class TrainerFaults(StepHooks):
+    """The faults of one cheating trainer: training faults as step hooks, serving faults as
+    `leaf_fault` for `proto.claims.ClaimsServicer`. Used by one training thread at a time."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.faults = tuple(faults)
+        unknown = [f for f in self.faults if f.kind not in KINDS]
+        if unknown:
+            raise ConfigError(f"not a trainer fault: {', '.join(map(str, unknown))}")
+        self._ex: Executor | None = None
+        self._saved: dict[str, torch.Tensor] | None = None
+        self._examples: list[dict[str, torch.Tensor]] | None = None
+        self._lr_doubled: weakref.WeakSet[Executor] = weakref.WeakSet()
+
+    def _at(self, kind: str, t: int) -> bool:
+        return any(f.kind == kind and f.step == t for f in self.faults)
+
+    @property
+    def training(self) -> bool:
+        return any(f.kind in TRAINING_KINDS for f in self.faults)
+
+    @property
+    def serving(self) -> bool:
+        return any(f.kind in SERVING_KINDS for f in self.faults)
+
+    # -- training faults (StepHooks) ------------------------------------------------------------
+
+    def before(self, t: int, ex: Executor) -> None:
+        self._ex = ex  # `examples` needs the program's dataset (swap-examples)
+        self._saved = ex.state() if self._at("skip-step", t) or self._at("log-drop", t) \
+            else None
+        for fault in self.faults:  # lr: once per executor, so a resumed job keeps it too
+            if fault.kind == "lr" and t >= fault.step and ex not in self._lr_doubled:
+                for group in ex.optimizer.param_groups:
+                    group["lr"] = group["lr"] * 2
+                self._lr_doubled.add(ex)
+
+    def examples(self, t, examples):
+        examples = list(examples)
+        if self._at("swap-examples", t):
+            ds = self._ex.program.dataset
+            batch = set(batch_indices(self._ex.seed, len(ds), len(examples), t).tolist())
+            other = next((i for i in range(len(ds)) if i not in batch), None)
+            if other is None:
+                raise ConfigError("swap-examples: every dataset example is in the batch")
+            examples[0] = ds.example(other)
+        if self._at("relabel", t):
+            examples[0] = _relabelled(examples[0])
+        self._examples = examples
+        return examples
+
+    def after(self, t, ex, log):
+        if self._at("log-flip", t):
+            log = encode_log(_flip_entry(decode_log(log))[0])
+        if self._at("log-drop", t):
+            # Round that element the other (legal, in-band) way, then leave it out of the log.
+            flipped, which, entry = _flip_entry(decode_log(log))
+            ex.load_state(self._saved)
+            ex.step(flipped, examples=self._examples)
+            log = encode_log(_drop_entry(flipped, which, entry))
+        if self._at("log-invent", t):
+            log = encode_log(_invent_entry(decode_log(log)))
+        if self._at("skip-step", t):
+            ex.load_state({**self._saved, "step": torch.tensor(t, dtype=torch.int64)})
+            log = encode_log(RoundingLog(()))
+        if self._at("swap-checkpoint", t):
+            ex.load_state(one_ulp_off(ex.state()))
+        self._saved = self._examples = None
+        return ex.state(), log
+
+    # -- serving faults (proto.claims.ClaimsServicer's leaf_fault) -------------------------------
+
+    def leaf_fault(self, step: int, reply: ovt_pb2.LeafReply, context) -> ovt_pb2.LeafReply:
+        """The answer to a unary GetLeaf(step): forged, stalled, or `reply` itself."""
+        if self._at("stall", step):
+            while context.is_active():
+                time.sleep(STALL_POLL_S)
+        if self._at("forge-leaf", step):
+            forged = bytearray(reply.state_hash)
+            forged[0] ^= 0xFF
+            reply = ovt_pb2.LeafReply(step=reply.step, state_hash=bytes(forged),
+                                      log_hash=reply.log_hash, proof=reply.proof,
+                                      tree_size=reply.tree_size)
+        return reply
