@@ -156,6 +156,19 @@ def _say(text: str) -> None:
     print(f"[demo] {text}", file=sys.stderr, flush=True)
 
 
+def _progress(text: str) -> None:
+    """One progress line, rewritten in place on a terminal (and not repeated into a log)."""
+    if sys.stderr.isatty():
+        print(f"\r[demo] {text}\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _progress_end(text: str | None = None) -> None:
+    if sys.stderr.isatty():
+        print(file=sys.stderr, flush=True)
+    elif text:
+        _say(text)
+
+
 def _fail(text: str) -> int:
     _say(f"FAILED: {text}")
     return 1
@@ -167,11 +180,11 @@ def _watch_training(channel: grpc.Channel, name: str, job_id: bytes) -> None:
                                                      timeout=RUN_TIMEOUT_S)
     status = None
     for status in stream:
-        print(f"\r[demo] {name}: step {status.step}/{status.steps} {status.state}   ",
-              end="", file=sys.stderr, flush=True)
+        _progress(f"{name}: step {status.step}/{status.steps} {status.state}")
         if status.state in ("done", "failed"):
             break
-    print(file=sys.stderr)
+    _progress_end(f"{name}: step {status.step}/{status.steps} {status.state}"
+                  if status else None)
     stream.cancel()
     if status is None or status.state != "done":
         raise ConfigError(f"{name} did not finish the job: "
@@ -186,11 +199,11 @@ def _audit(channel: grpc.Channel, trainer_address: str, name: str,
     stream = stub.WatchAudit(ovt_pb2.JobRef(job_id=job_id), timeout=RUN_TIMEOUT_S)
     report = None
     for report in stream:
-        print(f"\r[demo] {name}: replayed {report.step}/{report.steps} {report.state}   ",
-              end="", file=sys.stderr, flush=True)
+        _progress(f"{name}: replayed {report.step}/{report.steps} {report.state}")
         if report.state in ("matched", "diverged", "failed"):
             break
-    print(file=sys.stderr)
+    _progress_end(f"{name}: replayed {report.step}/{report.steps} {report.state}"
+                  if report else None)
     stream.cancel()
     if report is None or report.state == "failed":
         raise ConfigError(f"{name} failed: {report.error if report else 'no report'}")

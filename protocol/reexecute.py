@@ -216,7 +216,7 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     try:
         ex.step(decode_log(log), examples=[e.example for e in examples])
     except (LogFormatError, LogViolationError, LogMismatchError) as err:
-        return result("invalid-log", f"the trainer's L_{step} is invalid: {err}")
+        return result("invalid-log", str(err))
     if ex.step_count != step:  # load_state set the counter from S_{i-1}, checked above
         raise AssertionError(f"the executor ran step {ex.step_count}, not {step}")
     h_star = state_digest(ex.state())

@@ -53,7 +53,7 @@ STALL_POLL_S = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One injected fault: `kind` at step `step` (>= 1)."""
+    """One injected fault: `kind` at step `step` (>= 1; a serving fault may name leaf 0)."""
 
     kind: str
     step: int
@@ -74,8 +74,9 @@ def parse_fault(text: str, kinds: Iterable[str] = ALL_KINDS) -> Fault:
         value = int(step)
     except ValueError:
         value = 0
-    if value < 1 or not step.isdigit():
-        raise ConfigError(f"bad fault {text!r}: STEP must be a step number >= 1")
+    minimum = 0 if kind in SERVING_KINDS else 1  # leaf 0 is a bisection query too
+    if value < minimum or not step.isdigit():
+        raise ConfigError(f"bad fault {text!r}: STEP must be a step number >= {minimum}")
     return Fault(kind, value)
 
 

@@ -1,0 +1,160 @@
+"""`ovt-arbiter adjudicate | verify` against nodes served over gRPC on 127.0.0.1 (in-process
+Claims servers on ephemeral ports): verdicts that verify, byte changes that do not, the serving
+cheats (a forged leaf, a stall) caught during bisection, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+
+import grpc
+import pytest
+
+from arbiter.cli import main
+from proto import ovt_pb2_grpc
+from proto.claims import ClaimsServicer, StoreDirectory
+from protocol.verdict import verify_verdict
+from trainer_node.faults import TrainerFaults, parse_fault
+
+from .conftest import audit, tiny_job, train
+
+pytestmark = pytest.mark.network
+SKIPPED = 6  # the cheating trainer skips step 6 of 8
+
+
+@pytest.fixture(scope="module")
+def dispute(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dispute")
+    spec, state0 = tiny_job()
+    cheater = train(root / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault(f"skip-step:{SKIPPED}")]))
+    found = audit(root / "auditor", cheater)
+    assert found.challenge.step == SKIPPED
+    (root / "challenge.ovt").write_bytes(found.challenge.to_bytes())
+    found.trainer.close()
+    found.auditor.close()
+    return root, spec
+
+
+@pytest.fixture
+def serve():
+    """Start in-process Claims servers on 127.0.0.1; all stopped at the end."""
+    servers = []
+
+    def start(root, faults: str | None = None) -> str:
+        leaf_fault = TrainerFaults([parse_fault(faults)]).leaf_fault if faults else None
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        ovt_pb2_grpc.add_ClaimsServicer_to_server(
+            ClaimsServicer(StoreDirectory(root), leaf_fault=leaf_fault), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(None).wait(5)
+
+
+def _adjudicate(dispute, trainer, auditor, out, *extra):
+    root, spec = dispute
+    return main(["adjudicate", "--trainer", trainer, "--auditor", auditor, "--job",
+                 spec.job_id.hex(), "--out", str(out), "--challenge",
+                 str(root / "challenge.ovt"), "--profile", "cpu-1t", *extra])
+
+
+def test_adjudicate_writes_a_verdict_that_verifies(dispute, serve, tmp_path, capsys):
+    root, spec = dispute
+    out, evidence = tmp_path / "verdict.ovtv", tmp_path / "evidence"
+    rc = _adjudicate(dispute, serve(root / "trainer"), serve(root / "auditor"), out,
+                     "--evidence", str(evidence))
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    verdict = verify_verdict(out.read_bytes())
+    assert (verdict.fault, verdict.step, verdict.finding) == ("trainer", SKIPPED, "invalid-log")
+    assert f"the trainer is at fault at step {SKIPPED}" in text
+    assert verdict.bytes_moved["trainer"] > 0 and verdict.bytes_moved["auditor"] > 0
+
+    assert main(["verify", str(out)]) == 0
+    assert "VALID" in capsys.readouterr().out
+    assert main(["verify", str(out), "--evidence", str(evidence), "--profile",
+                 "emulated-gpu"]) == 0
+    assert "re-executing the step from the evidence" in capsys.readouterr().out
+    assert main(["verify", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["fault"], shown["step"]) == ("trainer", SKIPPED)
+
+
+def test_verify_rejects_a_verdict_with_one_byte_changed(dispute, serve, tmp_path, capsys):
+    root, _ = dispute
+    out = tmp_path / "verdict.ovtv"
+    assert _adjudicate(dispute, serve(root / "trainer"), serve(root / "auditor"), out) == 0
+    data = bytearray(out.read_bytes())
+    for position in (0, len(data) // 3, len(data) // 2, len(data) - 1):
+        changed = bytearray(data)
+        changed[position] ^= 0x01
+        out.write_bytes(bytes(changed))
+        capsys.readouterr()
+        assert main(["verify", str(out)]) == 1
+        assert "INVALID" in capsys.readouterr().err
+
+
+# The bisection of the challenge at step 6 asks leaf 0, then 3, 4 and 5 (all agreed but 6):
+# the first question, a middle one and the last one.
+@pytest.mark.parametrize("leaf", [0, 3, 5])
+def test_a_trainer_answering_with_a_forged_leaf_loses(dispute, serve, tmp_path, leaf):
+    root, _ = dispute
+    out = tmp_path / "verdict.ovtv"
+    assert _adjudicate(dispute, serve(root / "trainer", f"forge-leaf:{leaf}"),
+                       serve(root / "auditor"), out) == 0
+    verdict = verify_verdict(out.read_bytes())
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "bad-proof", leaf)
+    assert verdict.reexecution is None
+
+
+@pytest.mark.parametrize("leaf", [0, 3, 5])
+def test_a_stalling_trainer_loses_at_the_deadline(dispute, serve, tmp_path, leaf):
+    root, _ = dispute
+    out = tmp_path / "verdict.ovtv"
+    assert _adjudicate(dispute, serve(root / "trainer", f"stall:{leaf}"),
+                       serve(root / "auditor"), out, "--deadline", "1") == 0
+    verdict = verify_verdict(out.read_bytes())
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "timeout", leaf)
+
+
+@pytest.mark.parametrize("change", ["job", "challenge", "deadline", "unreachable"])
+def test_bad_input_is_one_line_and_exit_2(dispute, serve, tmp_path, capsys, change):
+    root, spec = dispute
+    trainer, auditor = serve(root / "trainer"), serve(root / "auditor")
+    args = ["adjudicate", "--trainer", trainer, "--auditor", auditor, "--job",
+            spec.job_id.hex(), "--out", str(tmp_path / "v"), "--challenge",
+            str(root / "challenge.ovt")]
+    if change == "job":
+        args[args.index(spec.job_id.hex())] = "abc"
+    elif change == "challenge":
+        (tmp_path / "bad").write_bytes(b"not a challenge")
+        args[args.index(str(root / "challenge.ovt"))] = str(tmp_path / "bad")
+    elif change == "deadline":
+        args += ["--deadline", "0"]
+    else:
+        args[args.index(trainer)] = args[args.index(auditor)] = "127.0.0.1:1"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("ovt-arbiter: error:")
+    assert "Traceback" not in err
+    assert not (tmp_path / "v").exists()
+
+
+def test_no_challenge_from_the_auditor_is_exit_2(dispute, serve, tmp_path, capsys):
+    root, spec = dispute  # a bare Claims server has no Auditor service to ask
+    assert main(["adjudicate", "--trainer", serve(root / "trainer"), "--auditor",
+                 serve(root / "auditor"), "--job", spec.job_id.hex(), "--out",
+                 str(tmp_path / "v")]) == 2
+    assert "no challenge" in capsys.readouterr().err
+
+
+def test_verify_of_a_missing_or_garbage_file(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "absent")]) == 2
+    (tmp_path / "garbage").write_bytes(b"\x00" * 10)
+    assert main(["verify", str(tmp_path / "garbage")]) == 1
+    assert "INVALID" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""End to end (issue 5): the daemons and the arbiter as real processes on 127.0.0.1.
+
+`ovt-arbiter demo` (the README's main job) on a tiny job: an honest trainer verified, a trainer
+started with --inject-fault caught at its step. Then a lying auditor daemon
+(--inject-fault false-challenge) against an honest trainer daemon, settled by
+`ovt-arbiter adjudicate` asking the auditor for its challenge over gRPC, and re-checked by
+`ovt-arbiter verify`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import safetensors.torch
+
+from proto import ovt_pb2, ovt_pb2_grpc
+from protocol.jobspec import create_job
+from protocol.signing import KeyPair
+from protocol.verdict import verify_verdict
+from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
+
+pytestmark = pytest.mark.network
+TINY_JOB = """\
+program = "image-cnn"
+steps = 10
+seed = 4
+init_seed = 5
+checkpoint_interval = 4
+commit_interval = 10
+[config]
+image_size = 8
+channels = 4
+batch_size = 8
+dataset_size = 64
+"""
+RUN_TIMEOUT_S = 600
+CALL_TIMEOUT_S = 10
+
+
+def _run(*args, timeout=RUN_TIMEOUT_S):
+    return subprocess.run([sys.executable, "-m", "arbiter.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_demo_verifies_the_honest_trainer_and_catches_the_cheat(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_JOB)
+    proc = _run("demo", "--job-file", tmp_path / "tiny.toml", "--fault", "skip-step:7",
+                "--workdir", tmp_path / "work")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the trainer is at fault at step 7" in proc.stdout
+    assert "demo passed" in proc.stderr
+    verdict = verify_verdict((tmp_path / "work" / "verdict.ovtv").read_bytes())
+    assert (verdict.fault, verdict.step) == ("trainer", 7)
+    logs = {p.name: p.read_text() for p in (tmp_path / "work").glob("*.log")}
+    assert "FAULT INJECTION" in logs["cheating-trainer.log"]
+    assert "FAULT INJECTION" not in logs["honest-trainer.log"]
+
+
+@pytest.fixture
+def processes(tmp_path):
+    auditors = Auditors(tmp_path, tmp_path / "auditor.key")
+    KeyPair.generate().save(auditors.key)
+    KeyPair.generate().save(tmp_path / "trainer.key")
+    procs = []
+
+    def trainer() -> AuditorDaemon:
+        port_file, log = tmp_path / "trainer-port", tmp_path / "trainer.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer_node.cli", "serve", "--listen", "127.0.0.1:0",
+                 "--store", str(tmp_path / "trainer-store"), "--key",
+                 str(tmp_path / "trainer.key"), "--port-file", str(port_file)],
+                stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return AuditorDaemon(proc, port_file, log)
+
+    try:
+        yield trainer, auditors
+    finally:
+        auditors.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_a_lying_auditor_daemon_is_found_at_fault(processes, tmp_path):
+    start_trainer, auditors = processes
+    trainer = start_trainer()
+    liar = auditors.launch(tmp_path / "auditor-store", "--inject-fault", "false-challenge:6")
+    trainer.wait_serving()
+    liar.wait_serving()
+    (tmp_path / "tiny.toml").write_text(TINY_JOB)
+    spec, state0 = create_job(tmp_path / "tiny.toml")
+    with grpc.insecure_channel(trainer.address) as tc, grpc.insecure_channel(liar.address) as ac:
+        ovt_pb2_grpc.TrainerStub(tc).Submit(ovt_pb2.SubmitRequest(
+            spec=spec.to_bytes(), initial_state=safetensors.torch.save(state0)),
+            timeout=CALL_TIMEOUT_S)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while ovt_pb2_grpc.TrainerStub(tc).Status(ovt_pb2.JobRef(job_id=spec.job_id),
+                                                  timeout=CALL_TIMEOUT_S).state != "done":
+            assert time.monotonic() < deadline, trainer.log_text()
+            time.sleep(0.2)
+        ovt_pb2_grpc.AuditorStub(ac).Audit(ovt_pb2.AuditRequest(
+            trainer_address=trainer.address, job_id=spec.job_id), timeout=CALL_TIMEOUT_S)
+        reports = watch_audit(ac, spec.job_id)
+    assert (reports[-1].state, reports[-1].divergent_step) == ("diverged", 6)
+
+    out = tmp_path / "verdict.ovtv"
+    proc = _run("adjudicate", "--trainer", trainer.address, "--auditor", liar.address,
+                "--job", spec.job_id.hex(), "--out", out, "--profile", "cpu-1t")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the auditor is at fault at step 6" in proc.stdout
+    verdict = verify_verdict(out.read_bytes())
+    assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "false-challenge", 6)
+    check = _run("verify", out, timeout=120)
+    assert check.returncode == 0 and "VALID" in check.stdout
+    assert trainer.terminate() == 0 and liar.terminate() == 0
