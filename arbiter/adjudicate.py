@@ -43,6 +43,7 @@ from .parties import NoAnswer, Party
 DEFAULT_DEADLINE_S = 30.0
 DEFAULT_EVIDENCE_TIMEOUT_S = 300.0
 _RETRY_S = 0.2
+_GRACE_S = 5.0  # how long past the deadline a call may take to give up
 
 Events = Callable[[str], None]
 
@@ -125,7 +126,10 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
         thread.start()
     pending = len(threads)
     while pending and game.is_running(state) and game.needs_answer_from(state):
-        role, data, at = answers.get()
+        try:
+            role, data, at = answers.get(timeout=max(limit - time.time(), 0) + _GRACE_S)
+        except queue.Empty:  # a party's transport overran its own timeout: silence
+            break
         pending -= 1
         if data is not None:
             state = game.answer(state, role, data, max(at, state.clock))
@@ -140,19 +144,19 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
 
 
 def _fetch_leaf(role: str, party: Party, step: int, limit: float, out: queue.Queue) -> None:
-    """Ask `party` for leaf `step` until it answers or the deadline passes; report either."""
-    while True:
-        remaining = limit - time.time()
-        if remaining <= 0:
-            out.put((role, None, time.time()))
-            return
-        try:
-            data = party.leaf(step, remaining)
-        except NoAnswer:
-            time.sleep(min(_RETRY_S, max(limit - time.time(), 0)))
-            continue
+    """Ask `party` for leaf `step` until it answers or the deadline passes, then report the
+    answer (None: none came). Reports exactly once, whatever happens, so `_round` never
+    waits on a thread that died."""
+    data = None
+    try:
+        while (remaining := limit - time.time()) > 0:
+            try:
+                data = party.leaf(step, remaining)
+                break
+            except NoAnswer:
+                time.sleep(min(_RETRY_S, max(limit - time.time(), 0)))
+    finally:
         out.put((role, data, time.time()))
-        return
 
 
 def _describe(state: GameState, step: int) -> str:

@@ -1,14 +1,16 @@
 """Adjudication time for an n-step job (default 1,000), split into bisection and re-execution,
 and the bytes moved between the arbiter and each node.
 
-A trainer trains a tiny CNN job for n steps with one injected fault (it skips step k, default
-k = 0.737 n) on cpu-2t; an auditor replays it on emulated-gpu up to its divergence at k and
-files its challenge. Both stores are served by the Claims service on 127.0.0.1, and the arbiter
-adjudicates over gRPC, re-executing on cpu-1t. Printed side by side from the same run: the
-adjudication's phases, the auditor's own replay (what re-executing the job instead of one step
-would cost, per step times n), and their ratio.
+A trainer trains a tiny CNN job for n steps on cpu-2t with one injected fault at step k
+(default: it swaps in a checkpoint one ULP off at k = 0.737 n, so the arbiter really re-executes
+the step and finds another state; `--fault skip-step` is caught by the log instead). An auditor
+replays it on emulated-gpu up to its divergence at k and files its challenge. Both stores are
+served by the Claims service on 127.0.0.1, and the arbiter adjudicates over gRPC, re-executing
+on cpu-1t. Printed side by side from the same run: the adjudication's phases, the auditor's own
+replay (what re-executing the whole job instead of one step would cost: per step times n), and
+their ratio.
 
-    python bench/bench_arbiter.py [--steps 1000] [--fault-step K] [--json out.json]
+    python bench/bench_arbiter.py [--steps 1000] [--fault KIND] [--fault-step K] [--json F]
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def serve(root: Path) -> tuple[grpc.Server, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--fault", default="swap-checkpoint",
+                        help="the trainer's training fault (default: %(default)s)")
     parser.add_argument("--fault-step", type=int, default=None,
-                        help="the step the trainer skips (default: 0.737 * steps)")
+                        help="the step of the fault (default: 0.737 * steps)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
     n = args.steps
@@ -64,12 +68,12 @@ def main() -> None:
                              commit_interval=n)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        print(f"training {n} steps (the trainer skips step {k}) …", flush=True)
+        print(f"training {n} steps (fault {args.fault} at step {k}) …", flush=True)
         trainer = JobStore(root / "trainer", spec)
         trainer.put_initial(state0)
         t0 = time.perf_counter()
         run_job(trainer, KeyPair.generate(), profile=Profile.parse("cpu-2t"),
-                hooks=TrainerFaults([parse_fault(f"skip-step:{k}")]))
+                hooks=TrainerFaults([parse_fault(f"{args.fault}:{k}")]))
         train_s = time.perf_counter() - t0
 
         print("auditing on emulated-gpu up to the divergence …", flush=True)
@@ -79,7 +83,7 @@ def main() -> None:
                              profile=Profile.parse("emulated-gpu"))
         audit_s = time.perf_counter() - t0
         j = outcome.first_divergent_step
-        assert j == k, f"the audit diverged at {j}, not at the skipped step {k}"
+        assert j == k, f"the audit diverged at {j}, not at the fault's step {k}"
         challenge = Challenge(spec.job_id, j, outcome.reason or "", outcome.trainer_commitment,
                               own_claim(trainer, j, outcome.trainer_commitment),
                               outcome.commitment, own_claim(auditor, j, outcome.commitment))
@@ -110,7 +114,7 @@ def main() -> None:
     for name in ("bisection_s", "evidence_s", "reexecution_s", "total_s"):
         print(f"{name.removesuffix('_s'):<34}{v.timings[name]:>10.3f}")
     print(f"{'adjudicate() wall clock':<34}{wall_s:>10.3f}")
-    print(f"{'auditor replay, per step (median-free mean)':<34}{per_step:>10.4f}")
+    print(f"{'auditor replay, mean per step':<34}{per_step:>10.4f}")
     print(f"{'re-executing all n steps instead':<34}{full_replay_s:>10.3f}")
     print(f"adjudication / full re-execution: {v.timings['total_s'] / full_replay_s:.4f}x")
     print(f"bytes moved: trainer -> arbiter {v.bytes_moved['trainer']:,}, auditor -> arbiter "
@@ -118,7 +122,8 @@ def main() -> None:
     print(f"(training took {train_s:.1f} s, the audit {audit_s:.1f} s)")
     if args.json:
         args.json.write_text(json.dumps({
-            "steps": n, "fault_step": k, "fault": v.fault, "step": v.step, "rounds": v.rounds,
+            "steps": n, "injected": args.fault, "fault_step": k, "fault": v.fault,
+            "step": v.step, "rounds": v.rounds,
             "timings": v.timings, "wall_s": wall_s, "bytes_moved": v.bytes_moved,
             "verdict_bytes": verdict_bytes, "replay_per_step_s": per_step,
             "full_replay_s": full_replay_s, "train_s": train_s, "audit_s": audit_s}, indent=2))
