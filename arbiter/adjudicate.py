@@ -11,7 +11,14 @@ with data proofs, the trainer's L_i — from the trainer first and the auditor s
 only what verifies against what both signed (h_{i-1}, the job's data root, the trainer's ℓ_i),
 re-executes step i on this machine's profile (`protocol.reexecute`), and signs the verdict of
 SPEC §5.4 (`protocol.verdict`). Everything a party says is checked by the game or here; the
-arbiter trusts only the job spec (whose hash is the job id) and the keys it is given.
+arbiter trusts only the job spec (whose hash is the job id) and the parties' keys.
+
+Keys: a party's registered key when the caller gives one, else the key of the commitment the
+party's own node serves — never a key taken from the challenge, which is the auditor's document
+(an auditor could otherwise sign a "trainer" commitment itself and make the real trainer's
+answers fail). The game is then played under the challenge's copy of each commitment when that
+copy is signed by the party's key (a party is bound by everything it signed), else under the
+one its node serves, so a challenge carrying a forged commitment fails as a bad challenge.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from protocol.jobspec import JobSpec
 from protocol.logcodec import log_digest
 from protocol.profiles import Profile
 from protocol.reexecute import Reexecution, reexecute, withheld
-from protocol.signing import KeyPair
+from protocol.signing import KeyPair, SignedCommitment
 from protocol.state import state_digest
 from protocol.verdict import Verdict, sign_verdict
 
@@ -46,6 +53,17 @@ _RETRY_S = 0.2
 _GRACE_S = 5.0  # how long past the deadline a call may take to give up
 
 Events = Callable[[str], None]
+
+_WALL0, _MONO0 = time.time(), time.monotonic()
+
+
+def _now() -> float:
+    """Unix seconds that never run backwards (a wall-clock jump must not move a deadline)."""
+    return _WALL0 + (time.monotonic() - _MONO0)
+
+
+class ArbiterError(OvtError):
+    """The arbiter itself failed (not a party): no verdict can be signed."""
 
 
 @dataclass(frozen=True)
@@ -79,31 +97,39 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
         raise ConfigError(f"the challenge is for job {challenge.job_id.hex()}, not "
                           f"{spec.job_id.hex()}")
     say = events or (lambda text: None)
-    started = time.time()
+    trainer_signed, trainer_key = _commitment(
+        trainer, challenge.trainer_commitment, trainer_key, spec, spec.steps, deadline_s)
+    auditor_signed, auditor_key = _commitment(
+        auditor, challenge.auditor_commitment, auditor_key, spec,
+        challenge.auditor_commitment.commitment.n, deadline_s)
+    started = _now()
     state = game.start(
-        spec, challenge.trainer_commitment, challenge.auditor_commitment, challenge.step,
-        trainer_key=trainer_key or challenge.trainer_commitment.commitment.public_key,
-        auditor_key=auditor_key or challenge.auditor_commitment.commitment.public_key,
-        trainer_leaf=challenge.trainer_leaf, auditor_leaf=challenge.auditor_leaf,
-        now=started, deadline_s=deadline_s)
+        spec, trainer_signed, auditor_signed, challenge.step, trainer_key=trainer_key,
+        auditor_key=auditor_key, trainer_leaf=challenge.trainer_leaf,
+        auditor_leaf=challenge.auditor_leaf, now=started, deadline_s=deadline_s)
     parties = {TRAINER: trainer, AUDITOR: auditor}
     while game.is_running(state):
         state = _round(state, parties, say)
-    bisected = time.time()
+    bisected = _now()
 
     dispute, reexec, evidence = game.dispute(state), None, None
     if dispute is not None:
         say(f"step {dispute.step} is disputed: fetching S_{dispute.step - 1}, "
             f"B_{dispute.step} and L_{dispute.step}")
         evidence, reexec = _gather(spec, dispute, parties, profile, evidence_timeout_s)
-        fetched = time.time()
+        fetched = _now()
         if reexec is None:
             say(f"re-executing step {dispute.step} on {profile.name}")
             reexec = reexecute(spec, dispute, evidence.prev_state, evidence.examples,
                                evidence.log, profile=profile)
+            if reexec.finding == "bad-evidence":  # checked above, yet does not run: the
+                # S_{i-1} both parties signed does not fit the job's program
+                reexec = withheld(dispute.step, "both", f"the S_{dispute.step - 1} both "
+                                  f"parties signed does not re-execute: {reexec.detail}",
+                                  profile.name)
     else:
         fetched = bisected
-    done = time.time()
+    done = _now()
     verdict = sign_verdict(
         spec, state, reexec, key=key,
         timings={"bisection_s": bisected - started, "evidence_s": fetched - bisected,
@@ -112,11 +138,41 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
     return Adjudication(verdict, evidence)
 
 
+# -- keys and commitments -----------------------------------------------------------------------
+
+def _commitment(party: Party, copy: SignedCommitment, key: bytes | None, spec: JobSpec, n: int,
+                timeout_s: float) -> tuple[SignedCommitment, bytes]:
+    """The commitment to play `party`'s side under, and its key (see the module docstring).
+
+    Raises ConfigError when the party's key cannot be established: no key given and its node
+    serves no valid commitment of its own."""
+    served = None
+    if key is None or not _signed_by(copy, key, spec, party.role, n):
+        try:
+            served = party.commitment(n, timeout_s)
+            served.verify(job_id=spec.job_id, role=party.role, n=n,
+                          public_key=key if key is not None else served.commitment.public_key)
+        except (OvtError, ValueError) as err:
+            raise ConfigError(f"cannot establish the {party.role}'s key: its node serves no "
+                              f"valid commitment over {n} steps ({err}); give its registered "
+                              f"key (--{party.role}-key)") from None
+        key = served.commitment.public_key
+    return (copy if _signed_by(copy, key, spec, party.role, n) else served), key
+
+
+def _signed_by(signed: SignedCommitment, key: bytes, spec: JobSpec, role: str, n: int) -> bool:
+    try:
+        signed.verify(job_id=spec.job_id, role=role, n=n, public_key=key)
+    except OvtError:
+        return False
+    return True
+
+
 # -- the bisection ------------------------------------------------------------------------------
 
 def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameState:
     """Ask the next question of both parties and play their answers (or their silence)."""
-    state, step = game.ask(state, time.time())
+    state, step = game.ask(state, _now())
     limit = game.deadline(state)
     answers: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_fetch_leaf, args=(role, party, step, limit, answers),
@@ -127,36 +183,42 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
     pending = len(threads)
     while pending and game.is_running(state) and game.needs_answer_from(state):
         try:
-            role, data, at = answers.get(timeout=max(limit - time.time(), 0) + _GRACE_S)
+            role, data, at = answers.get(timeout=max(limit - _now(), 0) + _GRACE_S)
         except queue.Empty:  # a party's transport overran its own timeout: silence
             break
         pending -= 1
+        if isinstance(data, BaseException):
+            raise ArbiterError(f"asking the {role} for leaf {step} failed on the arbiter's "
+                               f"side: {data!r}") from data
         if data is not None:
             state = game.answer(state, role, data, max(at, state.clock))
     if game.is_running(state) and game.needs_answer_from(state):
-        while time.time() <= limit:
-            time.sleep(limit - time.time() + 0.001)
-        state = game.timeout(state, max(time.time(), state.clock))
+        while _now() <= limit:
+            time.sleep(max(limit - _now(), 0) + 0.001)
+        state = game.timeout(state, max(_now(), state.clock))
     for thread in threads:
-        thread.join(max(limit - time.time(), 0) + 1.0)
+        thread.join(max(limit - _now(), 0) + 1.0)
     say(_describe(state, step))
     return state
 
 
 def _fetch_leaf(role: str, party: Party, step: int, limit: float, out: queue.Queue) -> None:
     """Ask `party` for leaf `step` until it answers or the deadline passes, then report the
-    answer (None: none came). Reports exactly once, whatever happens, so `_round` never
-    waits on a thread that died."""
-    data = None
+    answer (None: none came) exactly once, so `_round` never waits on a thread that died. Any
+    other exception is the arbiter's own failure, not the party's silence: it is reported as
+    such and ends the adjudication without a verdict."""
+    data: bytes | BaseException | None = None
     try:
-        while (remaining := limit - time.time()) > 0:
+        while (remaining := limit - _now()) > 0:
             try:
                 data = party.leaf(step, remaining)
                 break
             except NoAnswer:
-                time.sleep(min(_RETRY_S, max(limit - time.time(), 0)))
+                time.sleep(min(_RETRY_S, max(limit - _now(), 0)))
+    except BaseException as err:  # reported to the main thread, which raises it
+        data = err
     finally:
-        out.put((role, data, time.time()))
+        out.put((role, data, _now()))
 
 
 def _describe(state: GameState, step: int) -> str:
@@ -183,8 +245,10 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
     indices = batch_indices(spec.seed, spec.data.count, program.batch_size, i)
 
     def state_ok(state):
+        counter = state.get("step")
         return state_digest(state) == dispute.agreed.state_hash and \
-            "step" in state and int(state["step"]) == i - 1
+            isinstance(counter, torch.Tensor) and counter.numel() == 1 and \
+            not counter.is_floating_point() and int(counter) == i - 1
 
     def batch_ok(examples):
         verify_examples(spec.data, examples, indices)
@@ -208,8 +272,10 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
                     value = candidate
                     break
                 problems.append(f"the {role}'s {name} does not match what was signed")
-            except (OvtError, ValueError, KeyError) as err:
+            except NoAnswer as err:
                 problems.append(f"the {role} did not serve {name}: {err}")
+            except Exception as err:  # whatever a hostile peer's bytes make the checks raise
+                problems.append(f"the {role}'s {name} does not check: {err!r}")
         if value is None:
             return None, withheld(i, owed_by, f"nobody served a valid {name}: "
                                   + "; ".join(problems), profile.name)

@@ -41,7 +41,7 @@ from protocol.signing import KeyPair
 from protocol.store import atomic_write
 from protocol.verdict import recheck_evidence, save_evidence, summary, verify_verdict
 
-from .adjudicate import DEFAULT_DEADLINE_S, adjudicate
+from .adjudicate import DEFAULT_DEADLINE_S, DEFAULT_EVIDENCE_TIMEOUT_S, adjudicate
 from .parties import RemoteParty
 
 EXIT_INVALID = 1
@@ -87,9 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                           "commitment names")
     adj.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
                      help="per-move deadline of the bisection (default: %(default)s)")
-    adj.add_argument("--allow-program", action="append", default=[], metavar="REF",
-                     help="also re-execute jobs of this non-built-in program (loading a "
-                          "program runs its code here; repeatable)")
+    adj.add_argument("--evidence-timeout", type=float, default=DEFAULT_EVIDENCE_TIMEOUT_S,
+                     metavar="SECONDS", help="how long each node may take to serve S_{i-1}, "
+                     "B_i or L_i (default: %(default)s)")
+    _allow_program(adj)
     adj.add_argument("--evidence", type=Path, default=None, metavar="DIR",
                      help="also keep S_{i-1}, B_i and L_i here, for `verify --evidence`")
     _profile_options(adj)
@@ -103,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="require the verdict to be signed by this key")
     ver.add_argument("--evidence", type=Path, default=None, metavar="DIR",
                      help="re-execute the disputed step from this evidence as well")
+    _allow_program(ver)
     _profile_options(ver)
     ver.add_argument("--json", action="store_true", help="print the verdict as JSON")
     ver.set_defaults(run=_verify)
@@ -110,6 +112,19 @@ def _parser() -> argparse.ArgumentParser:
     from .demo import add_demo_command  # the demo starts daemons; keep it out of the way
     add_demo_command(sub)
     return parser
+
+
+def _allow_program(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-program", action="append", default=[], metavar="REF",
+                        help="also re-execute jobs of this non-built-in program (loading a "
+                             "program runs its code here; repeatable)")
+
+
+def _require_allowed(spec: JobSpec, allowed: list[str]) -> None:
+    if spec.program not in BUILTIN and spec.program not in allowed:
+        raise ConfigError(f"job {spec.job_id.hex()} runs program {spec.program!r}, which is not "
+                          f"a built-in ({', '.join(sorted(BUILTIN))}); allow it with "
+                          f"--allow-program")
 
 
 def _profile_options(parser: argparse.ArgumentParser) -> None:
@@ -160,8 +175,8 @@ def _adjudicate(args) -> int:
     job_id = _hex_bytes(args.job, "--job", 32)
     trainer_key = _hex_bytes(args.trainer_key, "--trainer-key", 32)
     auditor_key = _hex_bytes(args.auditor_key, "--auditor-key", 32)
-    if not args.deadline > 0:
-        raise ConfigError(f"--deadline must be positive, got {args.deadline}")
+    if not (args.deadline > 0 and args.evidence_timeout > 0):
+        raise ConfigError("--deadline and --evidence-timeout must be positive")
     key = KeyPair.load(args.key) if args.key is not None else KeyPair.generate()
     if args.key is None:
         print(f"ovt-arbiter: signing with a fresh key {key.public_key.hex()} (give --key to "
@@ -171,10 +186,7 @@ def _adjudicate(args) -> int:
     with make_channel(args.trainer, **tls) as t_channel, \
             make_channel(args.auditor, **tls) as a_channel:
         spec = _fetch_spec(job_id, [("trainer", t_channel), ("auditor", a_channel)])
-        if spec.program not in BUILTIN and spec.program not in args.allow_program:
-            raise ConfigError(f"job {job_id.hex()} runs program {spec.program!r}, which is not "
-                              f"a built-in ({', '.join(sorted(BUILTIN))}); allow it with "
-                              f"--allow-program")
+        _require_allowed(spec, args.allow_program)
         challenge = _challenge(args, a_channel, job_id)
         print(f"ovt-arbiter: job {job_id.hex()[:16]}…: the auditor challenges step "
               f"{challenge.step} of {spec.steps}", file=sys.stderr)
@@ -182,6 +194,7 @@ def _adjudicate(args) -> int:
             spec, challenge, RemoteParty("trainer", t_channel, spec),
             RemoteParty("auditor", a_channel, spec), key=key, profile=profile,
             trainer_key=trainer_key, auditor_key=auditor_key, deadline_s=args.deadline,
+            evidence_timeout_s=args.evidence_timeout,
             events=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
     _write(args.out, result.verdict.to_bytes(), "verdict")
     if args.evidence is not None and result.evidence is not None:
@@ -253,6 +266,7 @@ def _verify(args) -> int:
     verdict = verify_verdict(data, arbiter_key=_hex_bytes(args.arbiter_key, "--arbiter-key",
                                                           32))
     if args.evidence is not None:
+        _require_allowed(JobSpec.from_bytes(verdict.spec), args.allow_program)
         recheck_evidence(verdict, args.evidence, profile=profile_of(args))
     _show(verdict, args.json, rechecked=args.evidence is not None)
     return 0

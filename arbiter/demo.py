@@ -78,6 +78,14 @@ def run_demo(args) -> int:
 
 
 def _demo(args, work: Path) -> int:
+    try:
+        return _story(args, work)
+    except grpc.RpcError as err:  # a daemon that died or refused: its log says why
+        raise ConfigError(f"a daemon failed: {err.code().name}: {err.details()} (logs in "
+                          f"{work}; run with --workdir to keep them)") from None
+
+
+def _story(args, work: Path) -> int:
     fault_kind, fault_step = _fault(args.fault)
     spec, state0 = create_job(args.job_file)
     if not 1 <= fault_step <= spec.steps:

@@ -1,9 +1,10 @@
 """The two parties as the arbiter sees them: what it may ask each one, and nothing it believes.
 
-A `Party` answers four questions about a job: leaf t with its inclusion proof (the bisection's
-question, SPEC §5.2), S_t, the examples of B_t with their data proofs, and L_t (the evidence of
-SPEC §5.3). Nothing a party returns is trusted here: leaves go to `protocol.game` as raw bytes,
-evidence is checked against what both parties signed before it is used.
+A `Party` answers five questions about a job: its signed commitment (which names its key), leaf
+t with its inclusion proof (the bisection's question, SPEC §5.2), S_t, the examples of B_t with
+their data proofs, and L_t (the evidence of SPEC §5.3). Nothing a party returns is trusted
+here: leaves go to `protocol.game` as raw bytes, evidence is checked against what both parties
+signed before it is used.
 
 `RemoteParty` asks a node's Claims service over gRPC and counts the bytes it receives (the
 benchmark's "bytes moved"); `StoreParty` answers from a local `JobStore`, for tests and for
@@ -27,7 +28,7 @@ from protocol.errors import EncodingError, OvtError
 from protocol.executor import Executor
 from protocol.jobspec import JobSpec
 from protocol.profiles import Profile
-from protocol.signing import Claim
+from protocol.signing import Claim, SignedCommitment
 from protocol.state import decode_state
 from protocol.store import JobStore
 
@@ -42,6 +43,9 @@ class NoAnswer(OvtError):
 class Party(Protocol):
     role: str
     bytes_received: int
+
+    def commitment(self, n: int, timeout_s: float) -> SignedCommitment:
+        """The party's signed commitment over n steps (n = 0: its latest; unverified)."""
 
     def leaf(self, step: int, timeout_s: float) -> bytes:
         """Leaf `step` as canonical claim bytes (unverified). NoAnswer when none came."""
@@ -74,6 +78,15 @@ class RemoteParty:
 
     def _ref(self, step: int) -> ovt_pb2.StepRef:
         return ovt_pb2.StepRef(job_id=self.spec.job_id, step=step)
+
+    def commitment(self, n: int, timeout_s: float) -> SignedCommitment:
+        reply = self._call("GetCommitment", ovt_pb2.CommitmentRequest(
+            job_id=self.spec.job_id, n=n), timeout_s)
+        try:
+            return SignedCommitment.from_bytes(reply.signed_commitment)
+        except EncodingError as err:
+            raise NoAnswer(f"{self.role} sent a commitment that does not decode: {err}") \
+                from None
 
     def leaf(self, step: int, timeout_s: float) -> bytes:
         reply = self._call("GetLeaf", self._ref(step), timeout_s)
@@ -123,6 +136,12 @@ class StoreParty:
     def __init__(self, role: str, store: JobStore) -> None:
         self.role, self.store = role, store
         self.bytes_received = 0
+
+    def commitment(self, n: int, timeout_s: float) -> SignedCommitment:
+        signed = self.store.commitment(n or None)
+        if signed is None:
+            raise NoAnswer(f"the {self.role} has no commitment over {n or 'any'} steps")
+        return signed
 
     def leaf(self, step: int, timeout_s: float) -> bytes:
         signed = self.store.commitment()

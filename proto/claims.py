@@ -219,8 +219,10 @@ def join_chunks(chunks, max_bytes: int) -> bytes:
         total = chunk.total_size
         if total > max_bytes:
             raise PeerError(f"peer announced {total} bytes, more than the {max_bytes} allowed")
-        parts.append(chunk.data)
         expected_offset += len(chunk.data)
+        if expected_offset > total:  # never hold more than was announced
+            raise PeerError(f"peer sent more than the {total} bytes it announced")
+        parts.append(chunk.data)
         digest = chunk.sha256
     payload = b"".join(parts)
     if total is None or len(payload) != total or hashlib.sha256(payload).digest() != digest:

@@ -14,6 +14,14 @@ and leaf i disagreed, and the arbiter re-executed step i (SPEC §5.3, `protocol.
 | h_i* equals the trainer's h_i           | auditor  | false-challenge  |
 | h_i* equals the auditor's h_i           | trainer  | wrong-state      |
 | h_i* equals neither                     | none     | inconclusive     |
+| no auditor h_i; h_i* is the trainer's   | none     | not-upheld       |
+| no auditor h_i; h_i* is not the trainer's | trainer | wrong-state     |
+
+An auditor files no h_i of its own when it could not replay step i: the trainer served it a
+log that did not match ℓ_i, or one that was invalid. If the log the arbiter gets re-executes to
+the trainer's h_i, nobody is provably at fault (the trainer may have served the auditor another
+log than the arbiter), so the challenge is not upheld rather than false; if it re-executes to
+anything else, the trainer's signed h_i does not follow from its own valid log.
 
 A `Verdict` signs the decision together with everything it follows from: the canonical job spec,
 the full game transcript (every question and answer with its proof bytes, the commitments and
@@ -71,7 +79,7 @@ MAX_REASON_CHARS = 2000
 MAX_METRICS = 32
 MAX_METRIC_NAME = 64
 REEXECUTION_FINDINGS = ("withheld", "invalid-log", "false-challenge", "wrong-state",
-                        "inconclusive")
+                        "inconclusive", "not-upheld")
 FINDINGS = tuple(k for k in KINDS if k != "disagreed-at") + REEXECUTION_FINDINGS
 VERDICT_FAULTS = ("trainer", "auditor", "both", "none")
 
@@ -141,21 +149,29 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
                        f"step {i}: the trainer's rounding log L_{i} (ℓ_{i} = "
                        f"{_short(d.trainer.log_hash)}) is invalid: {reexec.detail}")
     h_star, trainer_h = reexec.state_hash, d.trainer.state_hash
-    auditor_h = None if d.auditor is None else d.auditor.state_hash
-    auditor_text = "none: it could not replay the step" if auditor_h is None else \
-        _short(auditor_h)
+    if d.auditor is None:  # the auditor could not replay step i at all (module docstring)
+        if h_star == trainer_h:
+            return Finding("none", "not-upheld", i,
+                           f"step {i}: the trainer's L_{i} is valid and re-executes to its "
+                           f"h_{i} = {_short(trainer_h)}; the auditor, which could not replay "
+                           f"the step, filed no h_{i} to weigh: nobody is provably at fault")
+        return Finding("trainer", "wrong-state", i,
+                       f"step {i}: the trainer's own valid L_{i} re-executes to h_{i}* = "
+                       f"{_short(h_star)}, not to its signed h_{i} = {_short(trainer_h)}")
+    auditor_h = d.auditor.state_hash
     if h_star == trainer_h:
         return Finding("auditor", "false-challenge", i,
                        f"step {i}: re-executed h_{i}* = {_short(h_star)} equals the trainer's "
-                       f"h_{i}; the auditor's challenge (its h_{i} = {auditor_text}) is false")
-    if auditor_h is not None and h_star == auditor_h:
+                       f"h_{i}; the auditor's challenge (its h_{i} = {_short(auditor_h)}) is "
+                       f"false")
+    if h_star == auditor_h:
         return Finding("trainer", "wrong-state", i,
                        f"step {i}: re-executed h_{i}* = {_short(h_star)} equals the auditor's "
                        f"h_{i}, not the trainer's h_{i} = {_short(trainer_h)}")
     return Finding("none", "inconclusive", i,
                    f"step {i}: re-executed h_{i}* = {_short(h_star)} equals neither the "
                    f"trainer's h_{i} = {_short(trainer_h)} nor the auditor's h_{i} = "
-                   f"{auditor_text}")
+                   f"{_short(auditor_h)}")
 
 
 def question_counts(records) -> tuple[int, int]:
@@ -404,7 +420,10 @@ def summary(verdict: Verdict) -> str:
     if verdict.bytes_moved:
         lines.append("bytes moved: " + ", ".join(f"{k} {v} B"
                                                  for k, v in sorted(verdict.bytes_moved.items())))
-    signed_at = datetime.fromtimestamp(verdict.time, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    try:
+        signed_at = datetime.fromtimestamp(verdict.time, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    except (OverflowError, OSError, ValueError):  # a signed but absurd time: show it raw
+        signed_at = f"at unix time {verdict.time}"
     lines.append(f"arbiter: {verdict.arbiter_key.hex()}, signed {signed_at}")
     return "\n".join(lines)
 

@@ -71,12 +71,14 @@ def audit(root: Path, trainer: JobStore, *, profile=AUDITOR_PROFILE, hooks=None)
     return Dispute(spec, trainer, store, challenge)
 
 
-def settle(dispute: Dispute, *, profile=ARBITER_PROFILE, trainer=None, auditor=None):
+def settle(dispute: Dispute, *, profile=ARBITER_PROFILE, trainer=None, auditor=None,
+           **keys):
+    """Adjudicate between the two stores (or the given parties); `keys`: registered keys."""
     assert dispute.challenge is not None, "the audit matched: nothing to adjudicate"
     return adjudicate(dispute.spec, dispute.challenge,
                       trainer or StoreParty("trainer", dispute.trainer),
                       auditor or StoreParty("auditor", dispute.auditor),
-                      key=KeyPair.generate(), profile=profile, deadline_s=DEADLINE_S)
+                      key=KeyPair.generate(), profile=profile, deadline_s=DEADLINE_S, **keys)
 
 
 def log2_bound(n: int) -> int:

@@ -111,3 +111,15 @@ def test_a_served_batch_verifies_against_the_data_commitment(served):
              for e in reply.examples]
     indices = batch_indices(spec.seed, spec.data.count, TINY["batch_size"], 3)
     verify_examples(spec.data, items, indices)
+
+
+def test_join_chunks_never_holds_more_than_was_announced():
+    """A peer announcing 1 byte and streaming on is cut off at its first extra byte."""
+    def endless():
+        offset = 0
+        while True:
+            yield ovt_pb2.Chunk(data=b"x" * 1024, offset=offset, total_size=1)
+            offset += 1024
+
+    with pytest.raises(PeerError, match="more than the 1 bytes it announced"):
+        join_chunks(endless(), max_bytes=1 << 20)

@@ -1,0 +1,108 @@
+"""The adjudication driver against hostile parties and its own failures (arbiter/adjudicate.py):
+keys come from the parties' own nodes, not from the challenge; evidence a hostile peer garbles
+is set aside for the other party's; the arbiter's own errors end without a verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from arbiter.adjudicate import ArbiterError
+from arbiter.parties import NoAnswer, StoreParty
+from auditor_node.faults import AuditorFaults
+from protocol.challenge import Challenge
+from protocol.errors import ConfigError
+from protocol.merkle import MerkleTree
+from protocol.signing import Claim, Commitment, KeyPair, sign_commitment
+from protocol.store import Leaf
+from trainer_node.faults import TrainerFaults, parse_fault
+
+from .conftest import STEPS, audit, settle, train
+
+FORGED_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def honest(job, tmp_path_factory):
+    """An honest trainer and an honest auditor (its replay matched), as stores."""
+    root = tmp_path_factory.mktemp("honest")
+    spec, state0 = job
+    trainer = train(root / "trainer", spec, state0)
+    matched = audit(root / "auditor", trainer)
+    assert matched.challenge is None
+    return matched
+
+
+def _forged_challenge(dispute) -> Challenge:
+    """What a lying auditor can build alone: a "trainer" commitment signed with a key of its
+    own over leaves it made up (leaf FORGED_STEP changed), and a challenge against it."""
+    spec, trainer = dispute.spec, dispute.trainer
+    leaves = trainer.leaves()
+    leaves[FORGED_STEP] = Leaf(FORGED_STEP, bytes(32), leaves[FORGED_STEP].log_hash)
+    tree = MerkleTree([leaf.hash for leaf in leaves])
+    own = KeyPair.generate()
+    fake = sign_commitment(Commitment(spec.job_id, STEPS, tree.root, leaves[STEPS].state_hash,
+                                      own.public_key, "trainer", 0), own)
+    fake_leaf = Claim(spec.job_id, FORGED_STEP, bytes(32), leaves[FORGED_STEP].log_hash,
+                      tuple(tree.proof(FORGED_STEP)), STEPS + 1)
+    signed = dispute.auditor.commitment()
+    real = dispute.auditor.leaf(FORGED_STEP)
+    auditor_leaf = Claim(spec.job_id, FORGED_STEP, real.state_hash, real.log_hash,
+                         tuple(dispute.auditor.tree(STEPS).proof(FORGED_STEP)), STEPS + 1)
+    return Challenge(spec.job_id, FORGED_STEP, "forged", fake, fake_leaf, signed, auditor_leaf)
+
+
+def test_a_trainer_commitment_forged_by_the_auditor_is_the_auditors_fault(honest):
+    forged = dataclasses.replace(honest, challenge=_forged_challenge(honest))
+    verdict = settle(forged).verdict
+    assert (verdict.fault, verdict.finding) == ("auditor", "bad-challenge")
+
+
+def test_with_the_trainers_registered_key_the_forgery_fails_the_same_way(honest):
+    forged = dataclasses.replace(honest, challenge=_forged_challenge(honest))
+    trainer_key = honest.trainer.commitment().commitment.public_key
+    verdict = settle(forged, trainer_key=trainer_key).verdict
+    assert (verdict.fault, verdict.finding) == ("auditor", "bad-challenge")
+
+
+class _NoCommitment(StoreParty):
+    def commitment(self, n, timeout_s):
+        raise NoAnswer("not serving")
+
+
+def test_a_trainer_whose_key_cannot_be_established_stops_the_adjudication(honest):
+    forged = dataclasses.replace(honest, challenge=_forged_challenge(honest))
+    with pytest.raises(ConfigError, match="cannot establish the trainer's key"):
+        settle(forged, trainer=_NoCommitment("trainer", honest.trainer))
+
+
+class _GarbledState(StoreParty):
+    """Serves an S_t whose tensor type the state hash does not support."""
+
+    def state(self, step, timeout_s):
+        return {"step": torch.tensor(step), "x": torch.zeros(2, dtype=torch.float8_e4m3fn)}
+
+
+def test_evidence_a_hostile_trainer_garbles_is_taken_from_the_auditor(job, tmp_path):
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("swap-checkpoint:4")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    verdict = settle(dispute, trainer=_GarbledState("trainer", dispute.trainer)).verdict
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "wrong-state", 4)
+
+
+class _Broken(StoreParty):
+    def leaf(self, step, timeout_s):
+        raise RuntimeError("a bug on the arbiter's side")
+
+
+def test_the_arbiters_own_failure_is_no_verdict(job, tmp_path):
+    spec, state0 = job
+    trainer = train(tmp_path / "trainer", spec, state0)
+    dispute = audit(tmp_path / "auditor", trainer,
+                    hooks=AuditorFaults([parse_fault("false-challenge:3")]))
+    with pytest.raises(ArbiterError, match="arbiter's side"):
+        settle(dispute, trainer=_Broken("trainer", dispute.trainer))
