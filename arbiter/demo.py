@@ -144,7 +144,8 @@ def _story(args, work: Path) -> int:
     atomic_write(verdict_path, result.verdict.to_bytes())
     verdict = verify_verdict(verdict_path.read_bytes())
     print(summary(verdict), flush=True)
-    _say(f"the verdict re-checks offline (`ovt-arbiter verify {verdict_path}`)")
+    _say("the verdict re-checks offline" + (f": `ovt-arbiter verify {verdict_path}`"
+                                            if args.workdir else " (--workdir keeps it)"))
     if verdict.fault != "trainer" or verdict.step != fault_step:
         return _fail(f"expected the trainer at fault at step {fault_step}, got "
                      f"{verdict.fault} at step {verdict.step}")

@@ -72,13 +72,13 @@ def audit(root: Path, trainer: JobStore, *, profile=AUDITOR_PROFILE, hooks=None)
 
 
 def settle(dispute: Dispute, *, profile=ARBITER_PROFILE, trainer=None, auditor=None,
-           **keys):
+           deadline_s=DEADLINE_S, **keys):
     """Adjudicate between the two stores (or the given parties); `keys`: registered keys."""
     assert dispute.challenge is not None, "the audit matched: nothing to adjudicate"
     return adjudicate(dispute.spec, dispute.challenge,
                       trainer or StoreParty("trainer", dispute.trainer),
                       auditor or StoreParty("auditor", dispute.auditor),
-                      key=KeyPair.generate(), profile=profile, deadline_s=DEADLINE_S, **keys)
+                      key=KeyPair.generate(), profile=profile, deadline_s=deadline_s, **keys)
 
 
 def log2_bound(n: int) -> int:

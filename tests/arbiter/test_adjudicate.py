@@ -106,3 +106,19 @@ def test_the_arbiters_own_failure_is_no_verdict(job, tmp_path):
                     hooks=AuditorFaults([parse_fault("false-challenge:3")]))
     with pytest.raises(ArbiterError, match="arbiter's side"):
         settle(dispute, trainer=_Broken("trainer", dispute.trainer))
+
+
+class _Silent(StoreParty):
+    def leaf(self, step, timeout_s):
+        raise NoAnswer("no answer")
+
+
+def test_a_silent_auditor_loses_at_the_deadline_of_the_first_question(job, tmp_path):
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("lr:6")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    result = settle(dispute, auditor=_Silent("auditor", dispute.auditor), deadline_s=0.5)
+    verdict = result.verdict
+    assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "timeout", 0)
+    assert verdict.timings["bisection_s"] >= 0.5

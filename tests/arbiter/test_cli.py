@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from arbiter.cli import main
-from proto import ovt_pb2_grpc
+from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from protocol.verdict import verify_verdict
 from trainer_node.faults import TrainerFaults, parse_fault
@@ -41,8 +41,10 @@ def serve():
     """Start in-process Claims servers on 127.0.0.1; all stopped at the end."""
     servers = []
 
-    def start(root, faults: str | None = None) -> str:
-        leaf_fault = TrainerFaults([parse_fault(faults)]).leaf_fault if faults else None
+    def start(root, faults=None) -> str:
+        """`faults`: a fault's "KIND:STEP", or a leaf_fault callable of the test's own."""
+        leaf_fault = TrainerFaults([parse_fault(faults)]).leaf_fault \
+            if isinstance(faults, str) else faults
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         ovt_pb2_grpc.add_ClaimsServicer_to_server(
             ClaimsServicer(StoreDirectory(root), leaf_fault=leaf_fault), server)
@@ -120,6 +122,20 @@ def test_a_stalling_trainer_loses_at_the_deadline(dispute, serve, tmp_path, leaf
                        serve(root / "auditor"), out, "--deadline", "1") == 0
     verdict = verify_verdict(out.read_bytes())
     assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "timeout", leaf)
+
+
+def test_a_trainer_answering_with_garbage_loses_as_malformed(dispute, serve, tmp_path):
+    root, _ = dispute
+    out = tmp_path / "verdict.ovtv"
+
+    def garbage(step, reply, context):  # a hash of 3 bytes: not a claim at all
+        return ovt_pb2.LeafReply(step=step, state_hash=b"abc", log_hash=reply.log_hash,
+                                 proof=reply.proof, tree_size=reply.tree_size)
+
+    assert _adjudicate(dispute, serve(root / "trainer", garbage), serve(root / "auditor"),
+                       out) == 0
+    verdict = verify_verdict(out.read_bytes())
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "malformed", 0)
 
 
 @pytest.mark.parametrize("change", ["job", "challenge", "deadline", "unreachable"])
