@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -20,7 +19,8 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from protocol.jobspec import create_job
 from protocol.signing import KeyPair
 from protocol.verdict import verify_verdict
-from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
+from tests.auditor_node.daemon import Auditors, watch_audit
+from tests.trainer_node.daemon import Trainers, watch_until
 
 pytestmark = pytest.mark.network
 TINY_JOB = """\
@@ -61,37 +61,21 @@ def test_the_demo_verifies_the_honest_trainer_and_catches_the_cheat(tmp_path):
 
 @pytest.fixture
 def processes(tmp_path):
-    auditors = Auditors(tmp_path, tmp_path / "auditor.key")
+    """Launchers of trainer and auditor daemons; whatever is still running is killed at the
+    end."""
+    trainers, auditors = Trainers(tmp_path), Auditors(tmp_path, tmp_path / "auditor.key")
     KeyPair.generate().save(auditors.key)
-    KeyPair.generate().save(tmp_path / "trainer.key")
-    procs = []
-
-    def trainer() -> AuditorDaemon:
-        port_file, log = tmp_path / "trainer-port", tmp_path / "trainer.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer_node.cli", "serve", "--listen", "127.0.0.1:0",
-                 "--store", str(tmp_path / "trainer-store"), "--key",
-                 str(tmp_path / "trainer.key"), "--port-file", str(port_file)],
-                stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return AuditorDaemon(proc, port_file, log)
-
     try:
-        yield trainer, auditors
+        yield trainers, auditors
     finally:
         auditors.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
+        trainers.close()
 
 
 def test_a_lying_auditor_daemon_is_found_at_fault(processes, tmp_path):
-    start_trainer, auditors = processes
-    trainer = start_trainer()
+    trainers, auditors = processes
     liar = auditors.launch(tmp_path / "auditor-store", "--inject-fault", "false-challenge:6")
-    trainer.wait_serving()
+    trainer = trainers.start(tmp_path / "trainer-store")  # waits until it serves
     liar.wait_serving()
     (tmp_path / "tiny.toml").write_text(TINY_JOB)
     spec, state0 = create_job(tmp_path / "tiny.toml")
@@ -99,11 +83,8 @@ def test_a_lying_auditor_daemon_is_found_at_fault(processes, tmp_path):
         ovt_pb2_grpc.TrainerStub(tc).Submit(ovt_pb2.SubmitRequest(
             spec=spec.to_bytes(), initial_state=safetensors.torch.save(state0)),
             timeout=CALL_TIMEOUT_S)
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while ovt_pb2_grpc.TrainerStub(tc).Status(ovt_pb2.JobRef(job_id=spec.job_id),
-                                                  timeout=CALL_TIMEOUT_S).state != "done":
-            assert time.monotonic() < deadline, trainer.log_text()
-            time.sleep(0.2)
+        assert watch_until(tc, spec.job_id, lambda s: s.state in ("done", "failed"),
+                           timeout=RUN_TIMEOUT_S).state == "done", trainer.log_text()
         ovt_pb2_grpc.AuditorStub(ac).Audit(ovt_pb2.AuditRequest(
             trainer_address=trainer.address, job_id=spec.job_id), timeout=CALL_TIMEOUT_S)
         reports = watch_audit(ac, spec.job_id)
@@ -118,4 +99,4 @@ def test_a_lying_auditor_daemon_is_found_at_fault(processes, tmp_path):
     assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "false-challenge", 6)
     check = _run("verify", out, timeout=120)
     assert check.returncode == 0 and "VALID" in check.stdout
-    assert trainer.terminate() == 0 and liar.terminate() == 0
+    assert liar.terminate() == 0

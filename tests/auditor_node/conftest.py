@@ -100,7 +100,8 @@ class Counting(ClaimsServicer):
 
 @contextlib.contextmanager
 def serve_claims(servicer: ClaimsServicer):
-    """Serve `servicer` on 127.0.0.1 (ephemeral port); yields its address."""
+    """Serve `servicer` on 127.0.0.1 (ephemeral port); yields its address. Stopped on exit,
+    cancelling calls still running (a stalled GetLeaf)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     ovt_pb2_grpc.add_ClaimsServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -108,7 +109,7 @@ def serve_claims(servicer: ClaimsServicer):
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        server.stop(grace=None)
+        server.stop(grace=None).wait(10)
 
 
 @pytest.fixture(scope="session")

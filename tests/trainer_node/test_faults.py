@@ -5,10 +5,8 @@ stalled point queries) behave as documented while the streamed GetLeaves stays h
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from protocol.precision import PrecisionPolicy
 from protocol.profiles import Profile
 from protocol.signing import KeyPair, SignedCommitment
 from protocol.store import JobStore
+from tests.auditor_node.conftest import serve_claims
 from trainer_node.cli import main
 from trainer_node.faults import (
     ALL_KINDS,
@@ -209,26 +208,13 @@ def test_serve_help_says_fault_injection(capsys):
 FORGED, STALLED = 2, 4
 
 
-@contextlib.contextmanager
-def _serve(servicer: ClaimsServicer):
-    """`servicer` on 127.0.0.1 (ephemeral port); stopped on exit, cancelling stalled calls."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    ovt_pb2_grpc.add_ClaimsServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(grace=None).wait(10)
-
-
 @pytest.fixture(scope="module")
 def cheater(job):
     """The honest store served by a trainer that forges leaf FORGED and stalls on STALLED."""
     faults = TrainerFaults([Fault("forge-leaf", FORGED), Fault("stall", STALLED)])
     servicer = ClaimsServicer(StoreDirectory(job.honest.dir.parent),
                               leaf_fault=faults.leaf_fault)
-    with _serve(servicer) as address, grpc.insecure_channel(address) as channel:
+    with serve_claims(servicer) as address, grpc.insecure_channel(address) as channel:
         yield address, channel
 
 
@@ -270,7 +256,7 @@ def test_a_server_stop_ends_a_stalled_call(job):
     faults = TrainerFaults([Fault("stall", 1)])
     servicer = ClaimsServicer(StoreDirectory(job.honest.dir.parent),
                               leaf_fault=faults.leaf_fault)
-    with _serve(servicer) as address, grpc.insecure_channel(address) as channel:
+    with serve_claims(servicer) as address, grpc.insecure_channel(address) as channel:
         call = ovt_pb2_grpc.ClaimsStub(channel).GetLeaf.future(
             ovt_pb2.StepRef(job_id=job.spec.job_id, step=1), timeout=60)
         time.sleep(0.3)
