@@ -106,7 +106,8 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
     state = game.start(
         spec, trainer_signed, auditor_signed, challenge.step, trainer_key=trainer_key,
         auditor_key=auditor_key, trainer_leaf=challenge.trainer_leaf,
-        auditor_leaf=challenge.auditor_leaf, now=started, deadline_s=deadline_s)
+        auditor_leaf=challenge.auditor_leaf, trainer_leaf0=challenge.trainer_leaf0,
+        auditor_leaf0=challenge.auditor_leaf0, now=started, deadline_s=deadline_s)
     parties = {TRAINER: trainer, AUDITOR: auditor}
     while game.is_running(state):
         state = _round(state, parties, say)
@@ -224,12 +225,10 @@ def _fetch_leaf(role: str, party: Party, step: int, limit: float, out: queue.Que
 def _describe(state: GameState, step: int) -> str:
     q = game.rounds(state)
     if state.outcome is not None and state.outcome.kind != "disagreed-at":
-        return f"question {q} (leaf {step}): {state.outcome.reason}"
-    if step == 0:
-        return f"question {q} (leaf 0): both leaves are the job's h_0"
+        return f"round {q} (leaf {step}): {state.outcome.reason}"
     decision = next(r for r in reversed(state.transcript) if isinstance(r, game.Decision))
     verb = "agree" if decision.agreed else "disagree"
-    return f"question {q} (leaf {step}): the parties {verb}; interval now " \
+    return f"round {q} (leaf {step}): the parties {verb}; interval now " \
            f"[{decision.lo}, {decision.hi}]"
 
 

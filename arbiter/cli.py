@@ -293,7 +293,7 @@ def verdict_json(verdict) -> dict:
     return {
         "job_id": verdict.job_id.hex(), "fault": verdict.fault, "finding": verdict.finding,
         "step": verdict.step, "reason": verdict.reason, "rounds": verdict.rounds,
-        "leaf0_checks": verdict.leaf0_checks, "timings": verdict.timings,
+        "timings": verdict.timings,
         "bytes_moved": verdict.bytes_moved, "arbiter_key": verdict.arbiter_key.hex(),
         "time": verdict.time, "transcript_bytes": len(verdict.transcript),
         "reexecution": None if r is None else {

@@ -178,7 +178,9 @@ def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,
         trainer_commitment=outcome.trainer_commitment,
         trainer_leaf=trainer_claim(channel, spec, step, outcome.trainer_commitment,
                                    deadline_s),
-        auditor_commitment=own, auditor_leaf=own_claim(store, step, own))
+        auditor_commitment=own, auditor_leaf=own_claim(store, step, own),
+        trainer_leaf0=trainer_claim(channel, spec, 0, outcome.trainer_commitment, deadline_s),
+        auditor_leaf0=own_claim(store, 0, own))
     atomic_write(path, challenge.to_bytes())
     return AuditRecord(state=DIVERGED, divergent_step=step, reason=outcome.reason,
                        challenge=path, **common)
@@ -186,12 +188,20 @@ def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,
 
 def trainer_claim(channel: grpc.Channel, spec: JobSpec, step: int, signed: SignedCommitment,
                   deadline_s: float) -> Claim:
-    """The trainer's leaf `step` with its inclusion proof, verified against `signed`."""
+    """The trainer's leaf `step` with its inclusion proof, verified against `signed`.
+
+    Asked the way the audit asked for every leaf, with the streamed GetLeaves (of one leaf):
+    the challenge needs the leaf the trainer served the audit, and a point query is the
+    arbiter's (a trainer that lies to point queries is the arbiter's to catch)."""
     try:
-        reply = ovt_pb2_grpc.ClaimsStub(channel).GetLeaf(
-            ovt_pb2.StepRef(job_id=spec.job_id, step=step), timeout=deadline_s)
+        replies = list(ovt_pb2_grpc.ClaimsStub(channel).GetLeaves(
+            ovt_pb2.StepRange(job_id=spec.job_id, first=step, last=step), timeout=deadline_s))
     except grpc.RpcError as err:
-        raise PeerError(f"trainer GetLeaf failed: {err.code().name}: {err.details()}") from None
+        raise PeerError(f"trainer GetLeaves failed: {err.code().name}: {err.details()}") \
+            from None
+    if len(replies) != 1:
+        raise PeerError(f"asked the trainer for leaf {step}, got {len(replies)} leaves")
+    reply = replies[0]
     try:
         if reply.step != step:
             raise PeerError(f"asked for leaf {step}, got leaf {reply.step}")

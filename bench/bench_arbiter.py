@@ -86,7 +86,9 @@ def main() -> None:
         assert j == k, f"the audit diverged at {j}, not at the fault's step {k}"
         challenge = Challenge(spec.job_id, j, outcome.reason or "", outcome.trainer_commitment,
                               own_claim(trainer, j, outcome.trainer_commitment),
-                              outcome.commitment, own_claim(auditor, j, outcome.commitment))
+                              outcome.commitment, own_claim(auditor, j, outcome.commitment),
+                              own_claim(trainer, 0, outcome.trainer_commitment),
+                              own_claim(auditor, 0, outcome.commitment))
         trainer.close()
         auditor.close()
 
@@ -109,7 +111,7 @@ def main() -> None:
     verdict_bytes = len(v.to_bytes())
     print()
     print(f"verdict: {v.fault} at fault at step {v.step} ({v.finding}); bisection rounds "
-          f"{v.rounds} (ceil(log2 {n}) = {math.ceil(math.log2(n))}) + the leaf-0 check")
+          f"{v.rounds} (ceil(log2 {n}) = {math.ceil(math.log2(n))})")
     print(f"{'phase':<34}{'seconds':>10}")
     for name in ("bisection_s", "evidence_s", "reexecution_s", "total_s"):
         print(f"{name.removesuffix('_s'):<34}{v.timings[name]:>10.3f}")

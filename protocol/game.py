@@ -8,19 +8,26 @@ and the canonical transcript with its replay.
 
 The game, as played here:
 
-- `start` checks both signed commitments (signature, job, role, the party's registered key; the
-  trainer's n is the job's steps, the auditor's n may be smaller but not larger) and the
-  auditor's challenge: step j in 1..n_t, the trainer's leaf j under the trainer's root, the
-  auditor's leaf j under the auditor's root (or, when the auditor could not replay step j at
-  all, no leaf and an auditor commitment that ends at j - 1), and the two leaves differ.
-  A party whose commitment fails loses on the spot (fault "both" when both fail); a challenge
-  that fails is the auditor's fault. Bisection then runs on [lo, hi] = [0, j].
-- The first question is leaf 0, whose answers are checked against the job's
-  (0, h_0, EMPTY_LOG_DIGEST) rather than against each other: a party whose leaf 0 differs
-  loses ("h0-mismatch"). Then each question is leaf mid = (lo + hi) // 2, both answers are
-  checked against their party's signed root, and equal leaves move lo to mid, different ones
-  move hi to mid. Invariant while running: lo < hi, both parties hold the same leaf lo (leaf 0
-  by the h_0 rule), and their leaves hi differ.
+- `start` checks, in this order:
+  (a) both signed commitments (signature, job, role, the party's registered key; the
+  trainer's n is the job's steps, the auditor's n may be smaller but not larger): a party
+  whose commitment fails loses on the spot ("bad-commitment", fault "both" when both fail);
+  (b) the auditor's challenge: step j in 1..n_t, the trainer's leaf j under the trainer's root,
+  the auditor's leaf j under the auditor's root (or, when the auditor could not replay step j
+  at all, no leaf and an auditor commitment that ends at j - 1), the two leaves differ, and
+  both parties' leaf-0 claims, which the challenge carries, are for step 0 and verify under
+  their party's signed root. A challenge that fails is the auditor's fault ("bad-challenge"):
+  the challenge is the auditor's document. A leaf-0 claim with its inclusion proof binds its
+  party whoever delivers it, so the arbiter asks no leaf-0 question;
+  (c) leaf 0 against the job (SPEC §5.2: "Leaf 0 is checked against the job spec's h_0"):
+  a party whose leaf 0 is not (0, h_0, EMPTY_LOG_DIGEST) loses ("h0-mismatch", step 0; fault
+  "both" when both differ).
+  A game that survives has leaf 0 agreed and runs bisection on [lo, hi] = [0, j]; for j = 1
+  it ends at once, with no question, as "disagreed-at" step 1.
+- Each question is leaf mid = (lo + hi) // 2, both answers are checked against their party's
+  signed root, and equal leaves move lo to mid, different ones move hi to mid. Invariant while
+  running: lo < hi, both parties hold the same leaf lo (leaf 0 by the h_0 rule), and their
+  leaves hi differ.
 - An answer that does not parse as a claim ("malformed"), is for another step than the one
   asked ("wrong-step"), or fails its inclusion proof under its party's signed root, including
   a claim for another job or tree size ("bad-proof"), loses on the spot for that party. A
@@ -35,10 +42,11 @@ The game, as played here:
 - When hi - lo == 1 the game ends with fault "none", kind "disagreed-at", step hi: leaf hi - 1
   agreed, leaf hi disagreed; `dispute(state)` holds the leaves re-execution needs (SPEC §5.3).
 
-Rounds: `rounds(state)` counts questions asked, the leaf-0 question included. For a challenge
-at step j, a game where both parties answer validly asks exactly 1 + B(j) questions, where B(j)
-is the number of halvings of [0, j] by mid = (lo + hi) // 2, at most ceil(log2 j) (the interval
-length L becomes floor(L/2) or ceil(L/2)); so at most 1 + ceil(log2 j), and 1 for j = 1.
+Rounds: `rounds(state)` counts questions asked, and every question is a bisection round. For
+a challenge at step j, a game where both parties answer validly asks exactly B(j) questions,
+where B(j) is the number of halvings of [0, j] by mid = (lo + hi) // 2 until hi - lo == 1: the
+interval length L becomes floor(L/2) or ceil(L/2), so floor(log2 j) <= B(j) <= ceil(log2 j)
+<= ceil(log2 n), exactly log2 j for j a power of two, and 0 for j = 1 (SPEC §5.2's bound).
 
 Outcomes are `Outcome(fault, kind, step, reason)` with fault in FAULTS and kind in KINDS.
 Exceptions are for programming errors only: TypeError/ValueError for arguments of the wrong
@@ -99,6 +107,8 @@ class Start:
     deadline_s: float
     trainer_leaf: bytes        # the trainer's claim for leaf j, canonical bytes
     auditor_leaf: bytes | None  # the auditor's, or None when its commitment ends at j - 1
+    trainer_leaf0: bytes       # the trainer's claim for leaf 0 (carried by the challenge)
+    auditor_leaf0: bytes       # the auditor's claim for leaf 0
 
     TYPE = "start"
 
@@ -152,8 +162,9 @@ class Decision:
 @dataclass(frozen=True)
 class Outcome:
     """How the game ended: `fault` in FAULTS, `kind` in KINDS, the step concerned (the
-    question's step, the disputed step, or None at start) and a one-line reason. Always the
-    last record of a finished game's transcript."""
+    question's step, the disputed step, the challenged step for "bad-challenge", 0 for
+    "h0-mismatch", None for "bad-commitment") and a one-line reason. Always the last record of
+    a finished game's transcript."""
 
     fault: str
     kind: str
@@ -186,8 +197,8 @@ class GameState:
     """One bisection game. Never mutated: every transition returns a new state.
 
     `agreed` is the leaf both hold at `lo` (leaf 0 is (0, h_0, EMPTY_LOG_DIGEST) by rule, checked
-    by the first question: `leaf0_checked`); `trainer_hi` / `auditor_hi` are the leaves at `hi`.
-    `question` / `asked_at` describe the outstanding question (None when none is), and
+    at start against both parties' leaf-0 claims); `trainer_hi` / `auditor_hi` are the leaves
+    at `hi`. `question` / `asked_at` describe the outstanding question (None when none is), and
     `trainer_answer` / `auditor_answer` the valid answers received to it so far. `clock` is the
     time of the latest event; time may not run backwards.
     """
@@ -205,7 +216,6 @@ class GameState:
     agreed: LeafValue
     trainer_hi: LeafValue | None
     auditor_hi: LeafValue | None
-    leaf0_checked: bool
     question: int | None
     asked_at: float | None
     trainer_answer: LeafValue | None
@@ -252,7 +262,7 @@ def deadline_passed(state: GameState, now: float) -> bool:
 
 
 def rounds(state: GameState) -> int:
-    """Questions asked so far, the leaf-0 question included."""
+    """Questions asked so far: every one a bisection round, at most ceil(log2 j)."""
     return sum(1 for r in state.transcript if isinstance(r, Question))
 
 
@@ -323,14 +333,16 @@ def require_deadline_passed(state: GameState, now: float) -> None:
 
 def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
           challenge_step: int, *, trainer_key: bytes, auditor_key: bytes,
-          trainer_leaf: Claim, auditor_leaf: Claim | None, now: float,
-          deadline_s: float) -> GameState:
+          trainer_leaf: Claim, auditor_leaf: Claim | None, trainer_leaf0: Claim,
+          auditor_leaf0: Claim, now: float, deadline_s: float) -> GameState:
     """A new game for the auditor's challenge at `challenge_step` (see the module docstring).
 
     `trainer_key` / `auditor_key` are the public keys the parties registered; `trainer_leaf` /
-    `auditor_leaf` the challenged leaves with their proofs (as in the auditor's challenge). A
-    failed check ends the game at once (an outcome, not an exception). Raises TypeError or
-    ValueError only for arguments of the wrong type or value.
+    `auditor_leaf` the challenged leaves with their proofs and `trainer_leaf0` /
+    `auditor_leaf0` both parties' leaf 0 with its proof (all as in the auditor's challenge). A
+    failed check ends the game at once (an outcome, not an exception), as does a challenge at
+    step 1 that survives them (leaf 0 agreed, leaf 1 disputed). Raises TypeError or ValueError
+    only for arguments of the wrong type or value.
     """
     job_id, h0, steps = _spec_fields(spec)
     for name, value in (("trainer", trainer), ("auditor", auditor)):
@@ -346,18 +358,22 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
     if auditor_leaf is not None and not isinstance(auditor_leaf, Claim):
         raise TypeError(f"auditor_leaf must be a Claim or None, not "
                         f"{type(auditor_leaf).__name__}")
+    for name, value in (("trainer_leaf0", trainer_leaf0), ("auditor_leaf0", auditor_leaf0)):
+        if not isinstance(value, Claim):
+            raise TypeError(f"{name} must be a Claim, not {type(value).__name__}")
     now = _time(now, "now")
     deadline_s = _time(deadline_s, "deadline_s")
     if not deadline_s > 0:
         raise ValueError(f"deadline_s must be positive, got {deadline_s}")
 
     record = Start(challenge_step, now, deadline_s, trainer_leaf.to_bytes(),
-                   None if auditor_leaf is None else auditor_leaf.to_bytes())
+                   None if auditor_leaf is None else auditor_leaf.to_bytes(),
+                   trainer_leaf0.to_bytes(), auditor_leaf0.to_bytes())
     state = GameState(
         job_id=job_id, h0=h0, trainer=trainer, auditor=auditor, trainer_key=trainer_key,
         auditor_key=auditor_key, challenge_step=challenge_step, deadline_s=deadline_s, lo=0,
         hi=challenge_step, agreed=LeafValue(0, h0, EMPTY_LOG_DIGEST), trainer_hi=None,
-        auditor_hi=None, leaf0_checked=False, question=None, asked_at=None,
+        auditor_hi=None, question=None, asked_at=None,
         trainer_answer=None, auditor_answer=None, clock=now, transcript=(record,), outcome=None)
 
     bad = {}
@@ -376,15 +392,31 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
         party = "both" if len(bad) == 2 else next(iter(bad))
         return _end(state, party, "bad-commitment", None, "; ".join(bad.values()))
 
-    problem = _challenge_problem(state, steps, trainer_leaf, auditor_leaf)
+    problem = _challenge_problem(state, steps, trainer_leaf, auditor_leaf, trainer_leaf0,
+                                 auditor_leaf0)
     if problem is not None:
         return _end(state, AUDITOR, "bad-challenge", challenge_step, problem)
-    return replace(state, trainer_hi=LeafValue.of(trainer_leaf),
-                   auditor_hi=None if auditor_leaf is None else LeafValue.of(auditor_leaf))
+
+    # SPEC §5.2: leaf 0 is checked against the job spec's h_0 (and the empty log).
+    off = [p for p, claim in ((TRAINER, trainer_leaf0), (AUDITOR, auditor_leaf0))
+           if LeafValue.of(claim) != state.agreed]
+    if off:
+        who = "both" if len(off) == 2 else off[0]
+        return _end(state, who, "h0-mismatch", 0,
+                    f"the {' and the '.join(off)}'s committed leaf 0 is not (0, h_0, empty "
+                    f"log) of the job spec")
+
+    state = replace(state, trainer_hi=LeafValue.of(trainer_leaf),
+                    auditor_hi=None if auditor_leaf is None else LeafValue.of(auditor_leaf))
+    if state.hi - state.lo == 1:
+        return _end(state, "none", "disagreed-at", state.hi,
+                    f"leaf {state.lo} agreed, leaf {state.hi} disagreed: step {state.hi} is "
+                    f"disputed")
+    return state
 
 
 def ask(state: GameState, now: float) -> tuple[GameState, int]:
-    """The arbiter's move: ask both parties for the next leaf (0 first, then (lo + hi) // 2).
+    """The arbiter's move: ask both parties for leaf (lo + hi) // 2, the next bisection round.
 
     Returns the new state and the step asked. GameError if over or a question is outstanding.
     """
@@ -393,7 +425,7 @@ def ask(state: GameState, now: float) -> tuple[GameState, int]:
     require_running(state)
     require_no_question(state)
     require_clock(state, now)
-    step = 0 if not state.leaf0_checked else (state.lo + state.hi) // 2
+    step = (state.lo + state.hi) // 2
     record = Question(rounds(state) + 1, step, now)
     return replace(state, question=step, asked_at=now, clock=now,
                    transcript=state.transcript + (record,)), step
@@ -459,11 +491,7 @@ def _receive(state: GameState, party: str, data: bytes, length: int, now: float)
     except (ProofError, SignatureError) as err:
         return _lose(state, party, "bad-proof", f"the {party}'s leaf {step} does not verify "
                                                 f"under its signed root: {err}")
-    leaf = LeafValue.of(claim)
-    if step == 0 and leaf != state.agreed:
-        return _lose(state, party, "h0-mismatch", f"the {party}'s leaf 0 is not (0, h_0, empty "
-                                                  f"log) of the job spec")
-    state = replace(state, **{f"{party}_answer": leaf})
+    state = replace(state, **{f"{party}_answer": LeafValue.of(claim)})
     if needs_answer_from(state):
         return state
     return _decide(state)
@@ -475,14 +503,12 @@ def _decide(state: GameState) -> GameState:
     lo, hi, agreed_leaf = state.lo, state.hi, state.agreed
     trainer_hi, auditor_hi = state.trainer_hi, state.auditor_hi
     agreed = t == a
-    if step == 0:
-        assert agreed  # both equal the h_0 leaf, or their party has lost already
-    elif agreed:
+    if agreed:
         lo, agreed_leaf = step, t
     else:
         hi, trainer_hi, auditor_hi = step, t, a
     state = replace(state, lo=lo, hi=hi, agreed=agreed_leaf, trainer_hi=trainer_hi,
-                    auditor_hi=auditor_hi, leaf0_checked=True, question=None, asked_at=None,
+                    auditor_hi=auditor_hi, question=None, asked_at=None,
                     trainer_answer=None, auditor_answer=None,
                     transcript=state.transcript + (Decision(step, agreed, lo, hi),))
     if hi - lo == 1:
@@ -492,8 +518,10 @@ def _decide(state: GameState) -> GameState:
 
 
 def _challenge_problem(state: GameState, steps: int, trainer_leaf: Claim,
-                       auditor_leaf: Claim | None) -> str | None:
-    """Why the auditor's challenge is invalid, or None if it is valid."""
+                       auditor_leaf: Claim | None, trainer_leaf0: Claim,
+                       auditor_leaf0: Claim) -> str | None:
+    """Why the auditor's challenge (challenged leaves and both leaf-0 claims) is invalid, or
+    None if it is valid."""
     j, n_a = state.challenge_step, state.auditor.commitment.n
     if not 1 <= j <= steps:
         return f"challenged step {j} is outside 1..{steps}"
@@ -513,6 +541,14 @@ def _challenge_problem(state: GameState, steps: int, trainer_leaf: Claim,
             return f"the {party}'s challenged leaf {j} does not verify: {err}"
     if auditor_leaf is not None and LeafValue.of(auditor_leaf) == LeafValue.of(trainer_leaf):
         return f"the challenged leaves {j} agree"
+    for party, claim, signed in ((TRAINER, trainer_leaf0, state.trainer),
+                                 (AUDITOR, auditor_leaf0, state.auditor)):
+        if claim.step != 0:
+            return f"the {party}'s leaf-0 claim is for step {claim.step}, not 0"
+        try:
+            claim.verify(signed)
+        except (ProofError, SignatureError) as err:
+            return f"the {party}'s leaf 0 does not verify under its signed root: {err}"
     return None
 
 
@@ -587,7 +623,8 @@ class Transcript:
 
 _RECORD_FIELDS: dict[str, tuple[type, dict[str, tuple[type, ...]]]] = {
     Start.TYPE: (Start, {"challenge_step": (int,), "at": (float,), "deadline_s": (float,),
-                         "trainer_leaf": (bytes,), "auditor_leaf": (bytes, type(None))}),
+                         "trainer_leaf": (bytes,), "auditor_leaf": (bytes, type(None)),
+                         "trainer_leaf0": (bytes,), "auditor_leaf0": (bytes,)}),
     Question.TYPE: (Question, {"round": (int,), "step": (int,), "at": (float,)}),
     Answer.TYPE: (Answer, {"party": (str,), "step": (int,), "at": (float,), "data": (bytes,),
                            "length": (int,)}),
@@ -679,16 +716,20 @@ def replay_transcript(spec: JobSpec, trainer: SignedCommitment, auditor: SignedC
     first = records[0]
     try:
         leaves = [None if b is None else Claim.from_bytes(b)
-                  for b in (first.trainer_leaf, first.auditor_leaf)]
-    except EncodingError as err:
+                  for b in (first.trainer_leaf, first.auditor_leaf, first.trainer_leaf0,
+                            first.auditor_leaf0)]
+    except (EncodingError, TypeError) as err:
         raise TranscriptError(f"the start record's challenged leaves do not parse: {err}") \
             from None
     if leaves[0] is None:
         raise TranscriptError("the start record has no trainer leaf")
+    if leaves[2] is None or leaves[3] is None:
+        raise TranscriptError("the start record lacks a party's leaf-0 claim")
     try:
         state = start(spec, trainer, auditor, first.challenge_step, trainer_key=trainer_key,
                       auditor_key=auditor_key, trainer_leaf=leaves[0], auditor_leaf=leaves[1],
-                      now=first.at, deadline_s=first.deadline_s)
+                      trainer_leaf0=leaves[2], auditor_leaf0=leaves[3], now=first.at,
+                      deadline_s=first.deadline_s)
         for i, record in enumerate(records[1:], 1):
             if isinstance(record, Question):
                 state, _ = ask(state, record.at)

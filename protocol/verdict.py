@@ -25,7 +25,7 @@ anything else, the trainer's signed h_i does not follow from its own valid log.
 
 A `Verdict` signs the decision together with everything it follows from: the canonical job spec,
 the full game transcript (every question and answer with its proof bytes, the commitments and
-the registered keys), the re-execution record, round counts, timings and bytes moved, the
+the registered keys), the re-execution record, the round count, timings and bytes moved, the
 arbiter's key and the time. `verify_verdict` re-checks it offline from those bytes alone (SPEC
 §5.4 "re-checkable offline from the transcript alone"): the signature, then a replay of every
 move through the game's own transitions, then `decide` again, which must give exactly the
@@ -58,12 +58,12 @@ from .errors import (
 from .game import (
     KINDS,
     GameState,
-    Question,
     Start,
     decode_transcript,
     dispute,
     is_over,
     replay_transcript,
+    rounds,
     transcript_bytes,
 )
 from .jobspec import JobSpec
@@ -84,7 +84,7 @@ FINDINGS = tuple(k for k in KINDS if k != "disagreed-at") + REEXECUTION_FINDINGS
 VERDICT_FAULTS = ("trainer", "auditor", "both", "none")
 
 _FIELDS = ("protocol_version", "job_id", "spec", "transcript", "fault", "finding", "step",
-           "reason", "reexecution", "rounds", "leaf0_checks", "timings", "bytes_moved",
+           "reason", "reexecution", "rounds", "timings", "bytes_moved",
            "arbiter_key", "time", "signature")
 _MAX_UINT = 2**63 - 1
 
@@ -174,13 +174,6 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
                    f"{_short(auditor_h)}")
 
 
-def question_counts(records) -> tuple[int, int]:
-    """(bisection rounds, leaf-0 checks) of a transcript: questions on a step other than 0,
-    and questions on leaf 0 (the first question, checked against h_0, not bisection)."""
-    asked = [r.step for r in records if isinstance(r, Question)]
-    return sum(1 for s in asked if s != 0), sum(1 for s in asked if s == 0)
-
-
 # ============================================================================================
 # The signed record
 # ============================================================================================
@@ -190,8 +183,9 @@ class Verdict:
     """The arbiter's signed verdict (SPEC §5.4).
 
     `spec` and `transcript` are canonical bytes (JobSpec.to_bytes, game.transcript_bytes);
-    `job_id` is the spec's hash, kept in the clear for readers. `rounds` counts bisection
-    questions, `leaf0_checks` the leaf-0 question (0 or 1). `timings` (seconds, e.g.
+    `job_id` is the spec's hash, kept in the clear for readers. `rounds` counts the game's
+    questions, every one a bisection round (leaf 0 is checked at start from the claims the
+    challenge carries: SPEC §5.2), at most ⌈log2 j⌉. `timings` (seconds, e.g.
     bisection_s, evidence_s, reexecution_s, total_s) and `bytes_moved` (e.g. trainer,
     auditor) are the arbiter's measurements. `signature` is the arbiter's Ed25519 signature,
     kind "verdict", over `body()`. Construction checks every field's shape (EncodingError); it
@@ -208,7 +202,6 @@ class Verdict:
     reason: str
     reexecution: Reexecution | None
     rounds: int
-    leaf0_checks: int
     timings: dict[str, float]
     bytes_moved: dict[str, int]
     arbiter_key: bytes
@@ -234,7 +227,6 @@ class Verdict:
         if self.reexecution is not None and not isinstance(self.reexecution, Reexecution):
             raise EncodingError("verdict reexecution must be a re-execution record or none")
         _uint("verdict rounds", self.rounds)
-        _uint("verdict leaf0_checks", self.leaf0_checks)
         object.__setattr__(self, "timings", _metrics("timings", self.timings, float))
         object.__setattr__(self, "bytes_moved", _metrics("bytes_moved", self.bytes_moved, int))
         _bytes("verdict arbiter_key", self.arbiter_key, 32)
@@ -281,15 +273,14 @@ def sign_verdict(spec: JobSpec, game: GameState, reexec: Reexecution | None, *,
     finding = decide(game, reexec)
     if game.job_id != spec.job_id:
         raise ValueError("the game was played for another job than the spec's")
-    rounds, leaf0 = question_counts(game.transcript)
     if isinstance(timings, dict):  # whole seconds are still seconds: encode them as floats
         timings = {k: float(v) if type(v) is int else v for k, v in timings.items()}
     try:
         verdict = Verdict(
             protocol_version=PROTOCOL_VERSION, job_id=spec.job_id, spec=spec.to_bytes(),
             transcript=transcript_bytes(game), fault=finding.fault, finding=finding.finding,
-            step=finding.step, reason=finding.reason, reexecution=reexec, rounds=rounds,
-            leaf0_checks=leaf0, timings=timings, bytes_moved=bytes_moved,
+            step=finding.step, reason=finding.reason, reexecution=reexec,
+            rounds=rounds(game), timings=timings, bytes_moved=bytes_moved,
             arbiter_key=key.public_key, time=int(_time.time()) if now is None else now,
             signature=bytes(64))
         verdict = replace(verdict, signature=sign_object(SIGNATURE_KIND, verdict.body(), key))
@@ -314,7 +305,7 @@ def verify_verdict(data: bytes, *, arbiter_key: bytes | None = None) -> Verdict:
     4. the transcript replays: every move, proof and deadline re-derived by the game's own
        transitions, to a finished game (`game.replay_transcript`);
     5. `decide` on the replayed game and the signed re-execution gives exactly the signed
-       fault, finding, step and reason, and the round counts are the transcript's;
+       fault, finding, step and reason, and the round count is the transcript's;
     6. the re-execution used the evidence the dispute names: S_{i-1} with the agreed h_{i-1},
        and the trainer's L_i with its ℓ_i.
 
@@ -344,11 +335,10 @@ def verify_verdict(data: bytes, *, arbiter_key: bytes | None = None) -> Verdict:
         raise VerdictError(f"the decision does not follow from the transcript: the verdict says "
                            f"{_describe(signed)}, the transcript and re-execution give "
                            f"{_describe(expected)}")
-    rounds, leaf0 = question_counts(game.transcript)
-    if (verdict.rounds, verdict.leaf0_checks) != (rounds, leaf0):
-        raise VerdictError(f"the verdict counts {verdict.rounds} rounds and "
-                           f"{verdict.leaf0_checks} leaf-0 checks, the transcript shows {rounds} "
-                           f"and {leaf0}")
+    asked = rounds(game)
+    if verdict.rounds != asked:
+        raise VerdictError(f"the verdict counts {verdict.rounds} rounds, the transcript shows "
+                           f"{asked}")
     reexec, d = verdict.reexecution, dispute(game)
     if reexec is not None and reexec.finding in ("computed", "invalid-log"):
         # SPEC §5.3: h_i* counts only if computed from S_{i-1} with the agreed h_{i-1} and the
@@ -411,8 +401,7 @@ def summary(verdict: Verdict) -> str:
                      f"({r.seconds:.3f} s)")
     j = _challenge_step(verdict.transcript)
     bound = f"; bound ⌈log2 {j}⌉ = {math.ceil(math.log2(j))}" if j else ""
-    lines.append(f"bisection: {verdict.rounds} rounds + {verdict.leaf0_checks} leaf-0 check"
-                 f"{'s' if verdict.leaf0_checks != 1 else ''}"
+    lines.append(f"bisection: {verdict.rounds} round{'s' if verdict.rounds != 1 else ''}"
                  f"{f' for a challenge at step {j}' if j else ''}{bound}")
     if verdict.timings:
         lines.append("timings: " + ", ".join(f"{k} {v:.3f} s"

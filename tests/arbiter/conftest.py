@@ -67,7 +67,9 @@ def audit(root: Path, trainer: JobStore, *, profile=AUDITOR_PROFILE, hooks=None)
         trainer_commitment=outcome.trainer_commitment,
         trainer_leaf=own_claim(trainer, j, outcome.trainer_commitment),
         auditor_commitment=outcome.commitment,
-        auditor_leaf=own_claim(store, j, outcome.commitment))
+        auditor_leaf=own_claim(store, j, outcome.commitment),
+        trainer_leaf0=own_claim(trainer, 0, outcome.trainer_commitment),
+        auditor_leaf0=own_claim(store, 0, outcome.commitment))
     return Dispute(spec, trainer, store, challenge)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from arbiter.adjudicate import ArbiterError
 from arbiter.parties import NoAnswer, StoreParty
+from auditor_node.audit import own_claim
 from auditor_node.faults import AuditorFaults
 from protocol.challenge import Challenge
 from protocol.errors import ConfigError
@@ -48,10 +49,11 @@ def _forged_challenge(dispute) -> Challenge:
     fake_leaf = Claim(spec.job_id, FORGED_STEP, bytes(32), leaves[FORGED_STEP].log_hash,
                       tuple(tree.proof(FORGED_STEP)), STEPS + 1)
     signed = dispute.auditor.commitment()
-    real = dispute.auditor.leaf(FORGED_STEP)
-    auditor_leaf = Claim(spec.job_id, FORGED_STEP, real.state_hash, real.log_hash,
-                         tuple(dispute.auditor.tree(STEPS).proof(FORGED_STEP)), STEPS + 1)
-    return Challenge(spec.job_id, FORGED_STEP, "forged", fake, fake_leaf, signed, auditor_leaf)
+    return Challenge(spec.job_id, FORGED_STEP, "forged", fake, fake_leaf, signed,
+                     own_claim(dispute.auditor, FORGED_STEP, signed),
+                     Claim(spec.job_id, 0, leaves[0].state_hash, leaves[0].log_hash,
+                           tuple(tree.proof(0)), STEPS + 1),
+                     own_claim(dispute.auditor, 0, signed))
 
 
 def test_a_trainer_commitment_forged_by_the_auditor_is_the_auditors_fault(honest):
@@ -120,5 +122,5 @@ def test_a_silent_auditor_loses_at_the_deadline_of_the_first_question(job, tmp_p
     dispute = audit(tmp_path / "auditor", cheater)
     result = settle(dispute, auditor=_Silent("auditor", dispute.auditor), deadline_s=0.5)
     verdict = result.verdict
-    assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "timeout", 0)
+    assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "timeout", 3)
     assert verdict.timings["bisection_s"] >= 0.5

@@ -101,9 +101,9 @@ def test_verify_rejects_a_verdict_with_one_byte_changed(dispute, serve, tmp_path
         assert "INVALID" in capsys.readouterr().err
 
 
-# The bisection of the challenge at step 6 asks leaf 0, then 3, 4 and 5 (all agreed but 6):
-# the first question, a middle one and the last one.
-@pytest.mark.parametrize("leaf", [0, 3, 5])
+# The bisection of the challenge at step 6 asks leaves 3, 4 and 5 (all agreed but 6): the first
+# round, a middle one and the last one.
+@pytest.mark.parametrize("leaf", [3, 4, 5])
 def test_a_trainer_answering_with_a_forged_leaf_loses(dispute, serve, tmp_path, leaf):
     root, _ = dispute
     out = tmp_path / "verdict.ovtv"
@@ -114,7 +114,7 @@ def test_a_trainer_answering_with_a_forged_leaf_loses(dispute, serve, tmp_path, 
     assert verdict.reexecution is None
 
 
-@pytest.mark.parametrize("leaf", [0, 3, 5])
+@pytest.mark.parametrize("leaf", [3, 4, 5])
 def test_a_stalling_trainer_loses_at_the_deadline(dispute, serve, tmp_path, leaf):
     root, _ = dispute
     out = tmp_path / "verdict.ovtv"
@@ -135,7 +135,7 @@ def test_a_trainer_answering_with_garbage_loses_as_malformed(dispute, serve, tmp
     assert _adjudicate(dispute, serve(root / "trainer", garbage), serve(root / "auditor"),
                        out) == 0
     verdict = verify_verdict(out.read_bytes())
-    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "malformed", 0)
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "malformed", 3)
 
 
 @pytest.mark.parametrize("change", ["job", "challenge", "deadline", "unreachable"])

@@ -69,6 +69,10 @@ def test_the_challenge_decodes_and_both_proofs_verify(caught, trained):
     assert challenge.trainer_leaf.state_hash == bytes(32)  # what the liar claimed
     honest = JobStore(trained.root, trained.spec).leaf(FALSIFIED_STEP)
     assert challenge.auditor_leaf.state_hash == honest.state_hash
+    for leaf0, signed in ((challenge.trainer_leaf0, challenge.trainer_commitment),
+                          (challenge.auditor_leaf0, challenge.auditor_commitment)):
+        leaf0.verify(signed)
+        assert (leaf0.step, leaf0.state_hash) == (0, trained.spec.h0)
 
 
 def _swap_leaves(c):
@@ -92,6 +96,9 @@ CORRUPTED_CHALLENGES = {
     "agreeing-leaves": _agreeing_leaves,
     "auditor-leaf-dropped": lambda c: dataclasses.replace(c, auditor_leaf=None),
     "other-job": lambda c: dataclasses.replace(c, job_id=bytes(32)),
+    "swapped-leaves-0": lambda c: dataclasses.replace(c, trainer_leaf0=c.auditor_leaf0,
+                                                      auditor_leaf0=c.trainer_leaf0),
+    "leaf-j-as-leaf-0": lambda c: dataclasses.replace(c, trainer_leaf0=c.trainer_leaf),
 }
 
 

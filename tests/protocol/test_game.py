@@ -187,14 +187,20 @@ class ClaimObjectPlayer(Player):
 
 def begin(spec: JobSpec, trainer: Player, auditor: Player, j: int, *,
           trainer_key: bytes | None = None, auditor_key: bytes | None = None,
-          auditor_leaf: Claim | None | str = "auto", trainer_leaf: Claim | None = None):
+          auditor_leaf: Claim | None | str = "auto", trainer_leaf: Claim | None = None,
+          trainer_leaf0: Claim | None = None, auditor_leaf0: Claim | None = None):
+    """Start a game as the auditor's challenge would: both challenged leaves and both parties'
+    leaf-0 claims (by default each party's own, from its committed tree)."""
     if auditor_leaf == "auto":
         auditor_leaf = auditor.claim(j) if auditor.n >= j else None
     return start(spec, trainer.signed, auditor.signed, j,
                  trainer_key=trainer.key.public_key if trainer_key is None else trainer_key,
                  auditor_key=auditor.key.public_key if auditor_key is None else auditor_key,
                  trainer_leaf=trainer.claim(j) if trainer_leaf is None else trainer_leaf,
-                 auditor_leaf=auditor_leaf, now=T0, deadline_s=DEADLINE)
+                 auditor_leaf=auditor_leaf,
+                 trainer_leaf0=trainer.claim(0) if trainer_leaf0 is None else trainer_leaf0,
+                 auditor_leaf0=auditor.claim(0) if auditor_leaf0 is None else auditor_leaf0,
+                 now=T0, deadline_s=DEADLINE)
 
 
 def play(state, trainer: Player, auditor: Player):
@@ -247,8 +253,19 @@ def assert_running_invariant(state, trainer: Player, auditor: Player) -> None:
 
 
 def round_bound(j: int) -> int:
-    """1 question on leaf 0, then at most ceil(log2 j) halvings of [0, j]."""
-    return 1 + math.ceil(math.log2(j))
+    """At most ceil(log2 j) halvings of [0, j]: every question is a bisection round."""
+    return math.ceil(math.log2(j))
+
+
+def halvings(j: int, d: int) -> int:
+    """B(j) on the path to divergent step d: the halvings of [0, j] by mid = (lo + hi) // 2
+    until hi - lo == 1 (leaf 0 agreed at start, leaves from d on disagreed)."""
+    lo, hi, count = 0, j, 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if mid < d else (lo, mid)
+        count += 1
+    return count
 
 
 # ---- bisection finds the divergent step --------------------------------------------------------
@@ -263,9 +280,11 @@ def test_bisection_ends_at_the_divergent_step_n32(d, mode):
     assert disputed_step(state) == d
     assert dispute(state) == game.Dispute(d, trainer.leaf(d - 1), trainer.leaf(d),
                                           auditor.leaf(d))
-    assert rounds(state) <= round_bound(j)
+    assert rounds(state) == halvings(j, d) <= round_bound(j)
+    assert math.floor(math.log2(j)) <= rounds(state)
     asked = [r.step for r in state.transcript if isinstance(r, Question)]
-    assert asked[0] == 0 and len(set(asked)) == len(asked)  # no step is asked twice
+    assert 0 not in asked and len(set(asked)) == len(asked)  # no step is asked twice
+    assert not asked or asked[0] == j // 2
     assert replayed(spec, trainer, auditor, state).outcome == state.outcome
 
 
@@ -276,14 +295,33 @@ def test_bisection_ends_at_the_divergent_step_other_sizes(n, d):
         spec, trainer, auditor, state = game_for(n, d, j=j)
         state = play(state, trainer, auditor)
         assert_outcome(state, "none", "disagreed-at", d)
-        assert rounds(state) <= round_bound(j)
+        assert rounds(state) == halvings(j, d) <= round_bound(j)
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
 @pytest.mark.parametrize("j", [1, 2, 4, 8, 16, 32, 1024])
-def test_round_count_is_exactly_one_plus_log2_for_powers_of_two(j):
-    spec, trainer, auditor, state = game_for(j, 1)
+def test_round_count_is_exactly_log2_for_powers_of_two(j, where):
+    d = {"first": 1, "middle": j // 2 + 1 if j > 1 else 1, "last": j}[where]
+    spec, trainer, auditor, state = game_for(j, d)
     state = play(state, trainer, auditor)
-    assert rounds(state) == 1 + int(math.log2(j))
+    assert_outcome(state, "none", "disagreed-at", d)
+    assert rounds(state) == int(math.log2(j))
+
+
+@pytest.mark.parametrize("mode", ["full", "truncated"])
+def test_challenge_at_step_one_ends_at_start_with_no_question(mode):
+    """j = 1: leaf 0 agreed at start (the h_0 rule), leaf 1 disagreed: nothing to bisect."""
+    spec = make_spec(8)
+    trainer = Player(TRAINER, spec, honest_leaves(8))
+    auditor = Player(AUDITOR, spec, diverging_leaves(8, 1)[:None if mode == "full" else 1])
+    state = begin(spec, trainer, auditor, 1)
+    assert_outcome(state, "none", "disagreed-at", 1)
+    assert rounds(state) == 0 and len(state.transcript) == 2
+    assert dispute(state) == game.Dispute(1, trainer.leaf(0), trainer.leaf(1),
+                                          auditor.leaf(1) if mode == "full" else None)
+    assert replayed(spec, trainer, auditor, state) == state
+    with pytest.raises(GameError, match="over"):
+        ask(state, T0 + 1)
 
 
 def test_challenge_without_the_auditor_leaf_disputes_the_challenged_step():
@@ -335,8 +373,8 @@ def test_one_step_cannot_be_answered_two_ways():
     """Whatever leaf a party gives for step s besides its committed one fails the proof."""
     spec, trainer, auditor, state = game_for(32, 11)
     state, step = ask(state, T0 + 1)
-    state, step = ask(answer(answer(state, TRAINER, trainer.claim(0), T0 + 2), AUDITOR,
-                             auditor.claim(0), T0 + 2), T0 + 3)
+    state, step = ask(answer(answer(state, TRAINER, trainer.claim(step), T0 + 2), AUDITOR,
+                             auditor.claim(step), T0 + 2), T0 + 3)
     other = PatchedLiar(TRAINER, spec, honest_leaves(32), key=trainer.key).cheat(step)
     assert_outcome(answer(state, TRAINER, other, T0 + 4), TRAINER, "bad-proof", step)
     assert not is_over(answer(state, TRAINER, trainer.claim(step), T0 + 4))
@@ -356,29 +394,29 @@ def test_both_silent_is_fault_both():
                                              trainer_kw={"from_round": 1},
                                              auditor_kw={"from_round": 1})
     state = play(state, trainer, auditor)
-    assert_outcome(state, "both", "timeout", 0)
+    assert_outcome(state, "both", "timeout", 16)  # the first question is already bisection
     assert replayed(spec, trainer, auditor, state).outcome == state.outcome
 
 
 def test_answer_after_the_deadline_loses():
     spec, trainer, auditor, state = game_for(32, 11)
-    state, _ = ask(state, T0 + 1)
-    state = answer(state, AUDITOR, auditor.claim(0), T0 + 2)
-    late = answer(state, TRAINER, trainer.claim(0), T0 + 1 + DEADLINE + 0.001)
-    assert_outcome(late, TRAINER, "timeout", 0)
+    state, step = ask(state, T0 + 1)
+    state = answer(state, AUDITOR, auditor.claim(step), T0 + 2)
+    late = answer(state, TRAINER, trainer.claim(step), T0 + 1 + DEADLINE + 0.001)
+    assert_outcome(late, TRAINER, "timeout", step)
     assert isinstance(late.transcript[-2], Answer)  # the late answer is on the record
 
 
 def test_late_answer_when_both_owe_one_faults_both():
     spec, trainer, auditor, state = game_for(32, 11)
-    state, _ = ask(state, T0 + 1)
-    assert_outcome(answer(state, AUDITOR, auditor.claim(0), T0 + 100), "both", "timeout")
+    state, step = ask(state, T0 + 1)
+    assert_outcome(answer(state, AUDITOR, auditor.claim(step), T0 + 100), "both", "timeout")
 
 
 def test_answer_exactly_at_the_deadline_is_accepted():
     spec, trainer, auditor, state = game_for(32, 11)
-    state, _ = ask(state, T0 + 1)
-    state = answer(state, TRAINER, trainer.claim(0), T0 + 1 + DEADLINE)
+    state, step = ask(state, T0 + 1)
+    state = answer(state, TRAINER, trainer.claim(step), T0 + 1 + DEADLINE)
     assert is_running(state) and needs_answer_from(state) == {AUDITOR}
 
 
@@ -394,26 +432,77 @@ def test_malformed_answers_lose(party, liar_cls, kind):
     assert replayed(spec, trainer, auditor, state).outcome == state.outcome
 
 
-# ---- leaf 0 against h_0 ----------------------------------------------------------------------
+# ---- leaf 0 against h_0, at start (SPEC §5.2) --------------------------------------------------
+
+def _h0_pair(bad: tuple[str, ...], n: int = 32, d: int = 9):
+    """Players whose committed leaf 0 holds another S_0 for each party in `bad`."""
+    spec = make_spec(n)
+    h0s = {p: h("another S_0", p) if p in bad else H0 for p in (TRAINER, AUDITOR)}
+    return (spec, Player(TRAINER, spec, honest_leaves(n, h0s[TRAINER])),
+            Player(AUDITOR, spec, diverging_leaves(n, d, h0s[AUDITOR])))
+
+
+@pytest.mark.parametrize("bad", [(TRAINER,), (AUDITOR,), (TRAINER, AUDITOR)])
+def test_leaf0_not_matching_h0_loses_at_start(bad):
+    spec, trainer, auditor = _h0_pair(bad)
+    state = begin(spec, trainer, auditor, 32)
+    assert_outcome(state, bad[0] if len(bad) == 1 else "both", "h0-mismatch", 0)
+    assert rounds(state) == 0 and len(state.transcript) == 2
+    assert replayed(spec, trainer, auditor, state) == state
+
 
 @pytest.mark.parametrize("party", [TRAINER, AUDITOR])
-def test_leaf0_not_matching_h0_loses(party):
-    spec = make_spec(32)
-    h0s = {TRAINER: H0, AUDITOR: H0, party: h("another S_0")}
-    trainer = Player(TRAINER, spec, honest_leaves(32, h0s[TRAINER]))
-    auditor = Player(AUDITOR, spec, diverging_leaves(32, 9, h0s[AUDITOR]))
-    state = play(begin(spec, trainer, auditor, 32), trainer, auditor)
-    assert_outcome(state, party, "h0-mismatch", 0)
-    assert rounds(state) == 1
-
-
-def test_leaf0_with_a_nonempty_log_loses():
+def test_leaf0_with_a_nonempty_log_loses_at_start(party):
     spec = make_spec(8)
-    leaves = honest_leaves(8)
-    leaves[0] = Leaf(0, H0, h("a log at step 0"))
-    trainer, auditor = Player(TRAINER, spec, leaves), Player(AUDITOR, spec, diverging_leaves(8, 3))
-    assert_outcome(play(begin(spec, trainer, auditor, 8), trainer, auditor), TRAINER,
-                   "h0-mismatch", 0)
+    leaves = {TRAINER: honest_leaves(8), AUDITOR: diverging_leaves(8, 3)}
+    leaves[party][0] = Leaf(0, H0, h("a log at step 0"))
+    trainer, auditor = Player(TRAINER, spec, leaves[TRAINER]), Player(AUDITOR, spec,
+                                                                      leaves[AUDITOR])
+    assert_outcome(begin(spec, trainer, auditor, 8), party, "h0-mismatch", 0)
+
+
+def test_leaf0_mismatch_at_step_one_still_loses():
+    """j = 1 would end at once as disagreed-at, but only once leaf 0 is agreed."""
+    spec, trainer, auditor = _h0_pair((AUDITOR,), n=4, d=1)
+    assert_outcome(begin(spec, trainer, auditor, 1), AUDITOR, "h0-mismatch", 0)
+
+
+@pytest.mark.parametrize("party", [TRAINER, AUDITOR])
+@pytest.mark.parametrize("how", ["forged", "other-step", "other-party", "other-job"])
+def test_leaf0_claim_that_does_not_verify_is_a_bad_challenge(party, how):
+    """The leaf-0 claims are the auditor's to deliver, in its challenge: one that is for
+    another step or fails its proof under its party's root (a forged trainer leaf 0 included)
+    is the auditor's fault, not the party's."""
+    spec, trainer, auditor = _pair()
+    player, other = (trainer, auditor) if party == TRAINER else (auditor, trainer)
+    claim = {"forged": replace(player.claim(0), state_hash=h("forged S_0")),
+             "other-step": player.claim(1),
+             "other-party": other.claim(0),
+             "other-job": replace(player.claim(0), job_id=h("other job"))}[how]
+    state = begin(spec, trainer, auditor, 32, **{f"{party}_leaf0": claim})
+    assert_outcome(state, AUDITOR, "bad-challenge", 32)
+    assert "leaf 0" in state.outcome.reason or "leaf-0" in state.outcome.reason
+    assert replayed(spec, trainer, auditor, state) == state
+
+
+def test_forged_h0_leaf_does_not_save_a_party_with_another_leaf0():
+    """A trainer committed to another S_0 cannot be rescued by delivering the h_0 leaf: the
+    forged claim fails its proof, and the challenge carrying it is rejected."""
+    spec, trainer, auditor = _h0_pair((TRAINER,))
+    forged = replace(trainer.claim(0), state_hash=H0)
+    assert_outcome(begin(spec, trainer, auditor, 32, trainer_leaf0=forged), AUDITOR,
+                   "bad-challenge")
+    assert_outcome(begin(spec, trainer, auditor, 32), TRAINER, "h0-mismatch", 0)
+
+
+def test_start_checks_commitments_then_challenge_then_h0():
+    spec, trainer, auditor = _h0_pair((TRAINER,))
+    stranger = KeyPair.generate().public_key
+    assert_outcome(begin(spec, trainer, auditor, 32, auditor_key=stranger), AUDITOR,
+                   "bad-commitment", None)
+    assert_outcome(begin(spec, trainer, auditor, 32, trainer_key=stranger), TRAINER,
+                   "bad-commitment", None)
+    assert_outcome(begin(spec, trainer, auditor, 5), AUDITOR, "bad-challenge", 5)  # agreed leaf
 
 
 # ---- start: commitments and the challenge ------------------------------------------------------
@@ -429,7 +518,11 @@ def test_start_accepts_valid_commitments():
     state = begin(spec, trainer, auditor, 32)
     assert is_running(state) and can_ask(state) and (state.lo, state.hi) == (0, 32)
     assert_running_invariant(state, trainer, auditor)
+    assert state.agreed == LeafValue(0, H0, EMPTY_LOG_DIGEST)
     assert rounds(state) == 0 and needs_answer_from(state) == frozenset()
+    start_record = state.transcript[0]
+    assert start_record.trainer_leaf0 == trainer.claim(0).to_bytes()
+    assert start_record.auditor_leaf0 == auditor.claim(0).to_bytes()
 
 
 @pytest.mark.parametrize("party", [TRAINER, AUDITOR])
@@ -572,9 +665,10 @@ def test_answer_without_a_question_raises():
 
 def test_second_answer_from_a_party_raises(asked):
     spec, trainer, auditor, state = asked
-    state = answer(state, TRAINER, trainer.claim(0), T0 + 2)
+    step = state.question
+    state = answer(state, TRAINER, trainer.claim(step), T0 + 2)
     with pytest.raises(GameError, match="already answered"):
-        answer(state, TRAINER, trainer.claim(0), T0 + 3)
+        answer(state, TRAINER, trainer.claim(step), T0 + 3)
 
 
 def test_timeout_before_the_deadline_raises(asked):
@@ -598,14 +692,15 @@ def test_timeout_when_over_raises():
 @pytest.mark.parametrize("move", ["ask", "answer", "timeout"])
 def test_time_running_backwards_raises(asked, move):
     spec, trainer, auditor, state = asked
+    step = state.question
     with pytest.raises(GameError, match="backwards"):
         if move == "ask":
-            ask(answer(answer(state, TRAINER, trainer.claim(0), T0 + 2), AUDITOR,
-                       auditor.claim(0), T0 + 2), T0 + 1.5)
+            ask(answer(answer(state, TRAINER, trainer.claim(step), T0 + 2), AUDITOR,
+                       auditor.claim(step), T0 + 2), T0 + 1.5)
         elif move == "answer":
-            answer(state, TRAINER, trainer.claim(0), T0)
+            answer(state, TRAINER, trainer.claim(step), T0)
         else:
-            timeout(answer(state, TRAINER, trainer.claim(0), T0 + 5), T0 + 3)
+            timeout(answer(state, TRAINER, trainer.claim(step), T0 + 5), T0 + 3)
 
 
 def test_arguments_of_the_wrong_type_raise_type_error(asked):
@@ -619,12 +714,30 @@ def test_arguments_of_the_wrong_type_raise_type_error(asked):
     with pytest.raises(TypeError):
         start(spec, trainer.signed.to_bytes(), auditor.signed, 32,
               trainer_key=trainer.key.public_key, auditor_key=auditor.key.public_key,
-              trainer_leaf=trainer.claim(32), auditor_leaf=auditor.claim(32), now=T0,
+              trainer_leaf=trainer.claim(32), auditor_leaf=auditor.claim(32),
+              trainer_leaf0=trainer.claim(0), auditor_leaf0=auditor.claim(0), now=T0,
               deadline_s=DEADLINE)
     with pytest.raises(TypeError):
         start(spec, trainer.signed, auditor.signed, True, trainer_key=trainer.key.public_key,
               auditor_key=auditor.key.public_key, trainer_leaf=trainer.claim(1),
-              auditor_leaf=auditor.claim(1), now=T0, deadline_s=DEADLINE)
+              auditor_leaf=auditor.claim(1), trainer_leaf0=trainer.claim(0),
+              auditor_leaf0=auditor.claim(0), now=T0, deadline_s=DEADLINE)
+
+
+@pytest.mark.parametrize("party", [TRAINER, AUDITOR])
+@pytest.mark.parametrize("bad", [None, b"claim bytes", "leaf 0"])
+def test_leaf0_claims_are_required_claim_objects(party, bad):
+    spec, trainer, auditor = _pair()
+    leaf0 = {"trainer_leaf0": trainer.claim(0), "auditor_leaf0": auditor.claim(0),
+             f"{party}_leaf0": bad}
+    with pytest.raises(TypeError, match=f"{party}_leaf0"):
+        start(spec, trainer.signed, auditor.signed, 32, trainer_key=trainer.key.public_key,
+              auditor_key=auditor.key.public_key, trainer_leaf=trainer.claim(32),
+              auditor_leaf=auditor.claim(32), now=T0, deadline_s=DEADLINE, **leaf0)
+    with pytest.raises(TypeError):
+        start(spec, trainer.signed, auditor.signed, 32, trainer_key=trainer.key.public_key,
+              auditor_key=auditor.key.public_key, trainer_leaf=trainer.claim(32),
+              auditor_leaf=auditor.claim(32), now=T0, deadline_s=DEADLINE)
 
 
 @pytest.mark.parametrize(("now", "deadline_s"), [(math.nan, 1.0), (T0, 0.0), (T0, math.inf)])
@@ -633,26 +746,28 @@ def test_bad_times_raise_value_error(now, deadline_s):
     with pytest.raises(ValueError):
         start(spec, trainer.signed, auditor.signed, 32, trainer_key=trainer.key.public_key,
               auditor_key=auditor.key.public_key, trainer_leaf=trainer.claim(32),
-              auditor_leaf=auditor.claim(32), now=now, deadline_s=deadline_s)
+              auditor_leaf=auditor.claim(32), trainer_leaf0=trainer.claim(0),
+              auditor_leaf0=auditor.claim(0), now=now, deadline_s=deadline_s)
 
 
 # ---- views -----------------------------------------------------------------------------------
 
 def test_views_follow_one_round(asked):
     spec, trainer, auditor, state = asked
-    assert not can_ask(state) and state.question == 0
+    assert not can_ask(state) and state.question == 16 and rounds(state) == 1
     assert deadline(state) == T0 + 1 + DEADLINE
     assert needs_answer_from(state) == {TRAINER, AUDITOR}
-    state = answer(state, AUDITOR, auditor.claim(0), T0 + 2)
+    state = answer(state, AUDITOR, auditor.claim(16), T0 + 2)
     assert needs_answer_from(state) == {TRAINER}
-    state = answer(state, TRAINER, trainer.claim(0), T0 + 3)
-    assert can_ask(state) and deadline(state) is None and state.leaf0_checked
-    assert state.transcript[-1] == Decision(0, True, 0, 32)
-    state, step = ask(state, T0 + 4)
-    assert step == 16 and rounds(state) == 2
-    state = answer(answer(state, TRAINER, trainer.claim(16), T0 + 5), AUDITOR,
-                   auditor.claim(16), T0 + 5)
+    state = answer(state, TRAINER, trainer.claim(16), T0 + 3)
+    assert can_ask(state) and deadline(state) is None
     assert (state.lo, state.hi) == (0, 16) and state.transcript[-1] == Decision(16, False, 0, 16)
+    assert_running_invariant(state, trainer, auditor)
+    state, step = ask(state, T0 + 4)
+    assert step == 8 and rounds(state) == 2
+    state = answer(answer(state, TRAINER, trainer.claim(8), T0 + 5), AUDITOR,
+                   auditor.claim(8), T0 + 5)
+    assert (state.lo, state.hi) == (8, 16) and state.transcript[-1] == Decision(8, True, 8, 16)
     assert_running_invariant(state, trainer, auditor)
     assert disputed_step(state) is None and dispute(state) is None
 
@@ -665,14 +780,17 @@ def _finished(kind: str):
     elif kind == "start-failure":
         spec, trainer, auditor = _pair()
         state = begin(spec, trainer, auditor, 10)
+    elif kind == "h0-mismatch":
+        spec, trainer, auditor = _h0_pair((AUDITOR,))
+        state = begin(spec, trainer, auditor, 32)
     else:
         cls = {"bad-proof": BadProofLiar, "timeout": Staller, "malformed": OversizedLiar}[kind]
         spec, trainer, auditor, state = _liar_game(cls, TRAINER, from_round=3)
     return spec, trainer, auditor, play(state, trainer, auditor) if is_running(state) else state
 
 
-@pytest.mark.parametrize("kind", ["honest", "start-failure", "bad-proof", "timeout",
-                                  "malformed"])
+@pytest.mark.parametrize("kind", ["honest", "start-failure", "h0-mismatch", "bad-proof",
+                                  "timeout", "malformed"])
 def test_replay_rederives_the_outcome(kind):
     spec, trainer, auditor, state = _finished(kind)
     data = transcript_bytes(state)
@@ -688,7 +806,7 @@ def test_replay_rederives_the_outcome(kind):
 
 def test_replay_of_a_running_game_rederives_the_state(asked):
     spec, trainer, auditor, state = asked
-    state = answer(state, TRAINER, trainer.claim(0), T0 + 2)
+    state = answer(state, TRAINER, trainer.claim(state.question), T0 + 2)
     assert replayed(spec, trainer, auditor, state) == state
 
 
@@ -738,6 +856,50 @@ def test_replay_rejects_a_transcript_without_start():
         replay_transcript(spec, trainer.signed, auditor.signed,
                           trainer_key=trainer.key.public_key,
                           auditor_key=auditor.key.public_key, transcript=state.transcript[1:])
+
+
+@pytest.mark.parametrize("field", ["trainer_leaf0", "auditor_leaf0"])
+def test_replay_rejects_a_start_whose_leaf0_does_not_parse(field):
+    spec, trainer, auditor, state = _finished("honest")
+    for bad in (b"\xc1not a claim", b"", trainer.claim(1).to_bytes()[:-1]):
+        first = replace(state.transcript[0], **{field: bad})
+        with pytest.raises(TranscriptError, match="do not parse"):
+            replay_transcript(spec, trainer.signed, auditor.signed,
+                              trainer_key=trainer.key.public_key,
+                              auditor_key=auditor.key.public_key,
+                              transcript=(first,) + state.transcript[1:])
+
+
+@pytest.mark.parametrize("field", ["trainer_leaf0", "auditor_leaf0"])
+def test_replay_rejects_a_start_with_a_changed_leaf0(field):
+    """Another valid claim in the start record (the other party's leaf 0, or a forged h_0
+    leaf) re-derives another start, so the recorded moves no longer replay."""
+    spec, trainer, auditor, state = _finished("honest")
+    player = trainer if field == "trainer_leaf0" else auditor
+    other = auditor if player is trainer else trainer
+    for claim in (other.claim(0), replace(player.claim(0), log_hash=h("log 0"))):
+        first = replace(state.transcript[0], **{field: claim.to_bytes()})
+        with pytest.raises(TranscriptError):
+            replay_transcript(spec, trainer.signed, auditor.signed,
+                              trainer_key=trainer.key.public_key,
+                              auditor_key=auditor.key.public_key,
+                              transcript=(first,) + state.transcript[1:])
+
+
+def test_decode_transcript_needs_the_leaf0_fields():
+    from protocol.encoding import decode, encode
+    spec, trainer, auditor, state = _finished("honest")
+    body = decode(transcript_bytes(state))
+    for field in ("trainer_leaf0", "auditor_leaf0"):
+        for value in ("missing", None):
+            start_body = dict(body["records"][0])
+            if value == "missing":
+                del start_body[field]
+            else:
+                start_body[field] = value
+            with pytest.raises(EncodingError):
+                decode_transcript(encode({**body, "records": [start_body] +
+                                          body["records"][1:]}))
 
 
 def test_replay_rejects_inconsistent_answer_lengths():

@@ -94,11 +94,11 @@ def _ended(kind: str):
     elif kind == "both-timeout":
         spec, _, _, state = played(trainer_cls=Staller, auditor_cls=Staller,
                                    trainer_kw={"from_round": 1}, auditor_kw={"from_round": 1})
-    elif kind == "h0-mismatch":
+    elif kind == "h0-mismatch":  # decided at start, from the challenge's leaf-0 claims
         spec = make_spec(N)
         trainer = Player(TRAINER, spec, honest_leaves(N, h("another S_0")))
         auditor = Player(AUDITOR, spec, diverging_leaves(N, D))
-        state = play(begin(spec, trainer, auditor, N), trainer, auditor)
+        state = begin(spec, trainer, auditor, N)
     elif kind == "bad-challenge":  # challenged at a leaf both agree on
         spec, _, _, state = played(j=D - 2)
     else:  # bad-commitment: the trainer's commitment is not under its registered key
@@ -126,7 +126,7 @@ CASES = {
                                     ("trainer", "wrong-state", D)),
     "bad-proof": (lambda: _ended("bad-proof"), ("trainer", "bad-proof", None)),
     "timeout": (lambda: _ended("timeout"), ("auditor", "timeout", None)),
-    "both-timeout": (lambda: _ended("both-timeout"), ("both", "timeout", 0)),
+    "both-timeout": (lambda: _ended("both-timeout"), ("both", "timeout", N // 2)),
     "h0-mismatch": (lambda: _ended("h0-mismatch"), ("trainer", "h0-mismatch", 0)),
     "bad-challenge": (lambda: _ended("bad-challenge"), ("auditor", "bad-challenge", D - 2)),
     "bad-commitment": (lambda: _ended("bad-commitment"), ("trainer", "bad-commitment", None)),
@@ -210,8 +210,10 @@ def test_signed_verdicts_verify_and_round_trip(name):
     assert (v.fault, v.finding) == (fault, finding) and v.reexecution == reexec
     assert v.job_id == spec.job_id and v.spec == spec.to_bytes()
     assert v.transcript == game.transcript_bytes(state)
-    assert v.rounds + v.leaf0_checks == rounds(state)
-    assert v.leaf0_checks == (1 if rounds(state) else 0)
+    assert v.rounds == rounds(state)
+    assert "leaf0_checks" not in v.body()
+    if name in ("h0-mismatch", "bad-challenge", "bad-commitment"):
+        assert v.rounds == 0  # decided at start: no question asked
     assert (v.timings, v.bytes_moved, v.time) == (TIMINGS, BYTES, 1_700_000_100)
     assert len(v.signature) == 64 and v.arbiter_key == ARBITER.public_key
 
@@ -219,7 +221,15 @@ def test_signed_verdicts_verify_and_round_trip(name):
 def test_round_count_is_the_bisection_bound():
     spec, state, reexec = _disputed("computed", h_star="trainer")
     v = signed(spec, state, reexec)
-    assert (v.rounds, v.leaf0_checks) == (math.ceil(math.log2(N)), 1)
+    assert v.rounds == math.ceil(math.log2(N)) == rounds(state)  # every question bisects
+
+
+@pytest.mark.parametrize(("n", "d"), [(23, 23), (23, 1), (1000, 777), (1, 1)])
+def test_round_count_is_within_the_bound_for_any_challenge(n, d):
+    spec, trainer, auditor, state = played(n, d)
+    v = signed(spec, state, reexec_for(state, "computed", trainer.leaf(d).state_hash))
+    assert v.rounds == rounds(state) <= math.ceil(math.log2(n))
+    assert verify_verdict(v.to_bytes()).rounds == v.rounds
 
 
 def test_verdicts_are_deterministic_given_the_time():
@@ -256,7 +266,8 @@ def _false_challenge():
     ({"step": None}, "does not follow"),
     ({"reason": "the auditor is wrong"}, "does not follow"),
     ({"rounds": 2}, "rounds"),
-    ({"leaf0_checks": 0}, "leaf-0"),
+    ({"rounds": 4}, "rounds"),
+    ({"rounds": 0}, "rounds"),
     ({"reexecution": None}, "does not fit"),
 ])
 def test_a_resigned_edit_is_rejected(change, message):
@@ -342,7 +353,8 @@ def test_malformed_and_oversized_verdicts_are_rejected():
     for bad in ({**body, "bribe": 1}, {k: x for k, x in body.items() if k != "time"},
                 {**body, "timings": {"total_s": -1.0}}, {**body, "rounds": -1},
                 {**body, "bytes_moved": {"trainer": 1.5}}, {**body, "protocol_version": 2},
-                {**body, "arbiter_key": bytes(31)}, {**body, "finding": "bribed"}):
+                {**body, "arbiter_key": bytes(31)}, {**body, "finding": "bribed"},
+                {**body, "leaf0_checks": 1}):  # the field of the leaf-0 question is gone
         with pytest.raises(VerdictError, match="does not parse"):
             verify_verdict(encode(bad))
     with pytest.raises(VerdictError, match="does not parse"):
@@ -376,9 +388,11 @@ def test_summary_says_who_where_and_why(name):
     assert who in text and finding in text and v.reason in text
     assert ARBITER.public_key.hex() in text and "trainer 4096 B" in text
     assert "total_s 1.625 s" in text
+    assert "leaf-0" not in text
     if name == "wrong-state":
-        assert f"at step {D}" in text and f"{v.rounds} rounds" in text
-        assert f"⌈log2 {N}⌉ = {math.ceil(math.log2(N))}" in text
+        assert f"at step {D}" in text
+        assert (f"bisection: {v.rounds} rounds for a challenge at step {N}; "
+                f"bound ⌈log2 {N}⌉ = {math.ceil(math.log2(N))}") in text
 
 
 # ---- a real dispute: re-execution, evidence and its offline re-check ---------------------------
