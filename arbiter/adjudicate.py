@@ -89,9 +89,10 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
     """Adjudicate `challenge` on job `spec` between the two parties (see the module docstring).
 
     `trainer_key` / `auditor_key` are the parties' registered public keys; None takes the key
-    each commitment names (then the verdict says who signed, not who that is). Raises
-    ConfigError if the challenge is for another job; every misbehaviour of a party is a
-    verdict, not an exception.
+    of the commitment the party's own node serves (see the module docstring). Raises
+    ConfigError if the challenge is for another job or a party's commitment cannot be
+    established, ArbiterError if the arbiter itself fails mid-game; every misbehaviour of a
+    party is a verdict, not an exception.
     """
     if challenge.job_id != spec.job_id:
         raise ConfigError(f"the challenge is for job {challenge.job_id.hex()}, not "
@@ -154,9 +155,13 @@ def _commitment(party: Party, copy: SignedCommitment, key: bytes | None, spec: J
             served.verify(job_id=spec.job_id, role=party.role, n=n,
                           public_key=key if key is not None else served.commitment.public_key)
         except (OvtError, ValueError) as err:
-            raise ConfigError(f"cannot establish the {party.role}'s key: its node serves no "
-                              f"valid commitment over {n} steps ({err}); give its registered "
-                              f"key (--{party.role}-key)") from None
+            if key is None:
+                raise ConfigError(f"cannot establish the {party.role}'s key: its node serves "
+                                  f"no valid commitment over {n} steps ({err}); give its "
+                                  f"registered key (--{party.role}-key)") from None
+            raise ConfigError(f"no commitment of the {party.role}'s to play under: the "
+                              f"challenge's is not signed by its registered key, and its node "
+                              f"serves no valid one over {n} steps ({err})") from None
         key = served.commitment.public_key
     return (copy if _signed_by(copy, key, spec, party.role, n) else served), key
 

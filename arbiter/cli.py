@@ -42,6 +42,7 @@ from protocol.store import atomic_write
 from protocol.verdict import recheck_evidence, save_evidence, summary, verify_verdict
 
 from .adjudicate import DEFAULT_DEADLINE_S, DEFAULT_EVIDENCE_TIMEOUT_S, adjudicate
+from .demo import add_demo_command
 from .parties import RemoteParty
 
 EXIT_INVALID = 1
@@ -80,11 +81,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="the arbiter's key file (`ovt keygen`); default: a fresh key for "
                           "this verdict only")
     adj.add_argument("--trainer-key", default=None, metavar="HEX",
-                     help="the trainer's registered public key; default: the key its "
-                          "commitment names")
+                     help="the trainer's registered public key; default: the key of the "
+                          "commitment the trainer's node serves (never the challenge's)")
     adj.add_argument("--auditor-key", default=None, metavar="HEX",
-                     help="the auditor's registered public key; default: the key its "
-                          "commitment names")
+                     help="the auditor's registered public key; default: the key of the "
+                          "commitment the auditor's node serves")
     adj.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S, metavar="SECONDS",
                      help="per-move deadline of the bisection (default: %(default)s)")
     adj.add_argument("--evidence-timeout", type=float, default=DEFAULT_EVIDENCE_TIMEOUT_S,
@@ -109,7 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true", help="print the verdict as JSON")
     ver.set_defaults(run=_verify)
 
-    from .demo import add_demo_command  # the demo starts daemons; keep it out of the way
     add_demo_command(sub)
     return parser
 
@@ -198,8 +198,12 @@ def _adjudicate(args) -> int:
             events=lambda text: print(f"  {text}", file=sys.stderr, flush=True))
     _write(args.out, result.verdict.to_bytes(), "verdict")
     if args.evidence is not None and result.evidence is not None:
-        save_evidence(args.evidence, result.evidence.prev_state, result.evidence.examples,
-                      result.evidence.log)
+        try:
+            save_evidence(args.evidence, result.evidence.prev_state, result.evidence.examples,
+                          result.evidence.log)
+        except OSError as err:
+            raise ConfigError(f"the verdict is written, but not the evidence to "
+                              f"{args.evidence}: {err.strerror}") from None
     _show(result.verdict, args.json, written=args.out)
     return 0
 

@@ -16,15 +16,15 @@ import safetensors.torch
 
 from auditor_node.audit import MATCHED, run_audit, trainer_claim
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import ClaimsServicer, PeerError, RemoteClaims, StoreDirectory
-from protocol.errors import ConfigError
+from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory
+from protocol.errors import ConfigError, ProofError
 from protocol.executor import Executor
 from protocol.jobrun import StepHooks, StoreSource, replay_job, run_job
 from protocol.jobspec import JobSpec, build_job
 from protocol.logcodec import EMPTY_LOG_DIGEST
 from protocol.precision import PrecisionPolicy
 from protocol.profiles import Profile
-from protocol.signing import KeyPair, SignedCommitment
+from protocol.signing import Claim, KeyPair, SignedCommitment
 from protocol.store import JobStore
 from tests.auditor_node.conftest import serve_claims
 from trainer_node.cli import main
@@ -221,13 +221,24 @@ def cheater(job):
 @pytest.mark.network
 def test_a_forged_leaf_does_not_verify_under_the_signed_root(job, cheater):
     _, channel = cheater
-    honest = trainer_claim(channel, job.spec, FORGED - 1, job.signed, 10)
+    honest = _point_claim(channel, job.spec, FORGED - 1)
+    honest.verify(job.signed)
     assert honest.state_hash == job.honest.leaf(FORGED - 1).state_hash
+    forged = _point_claim(channel, job.spec, FORGED)
+    assert forged.state_hash != job.honest.leaf(FORGED).state_hash
+    with pytest.raises(ProofError):
+        forged.verify(job.signed)
+    # the streamed leaves (the auditor's, and its challenge's) stay honest
+    assert trainer_claim(channel, job.spec, FORGED, job.signed, 10).state_hash == \
+        job.honest.leaf(FORGED).state_hash
+
+
+def _point_claim(channel, spec, step: int) -> Claim:
+    """Leaf `step` as a unary GetLeaf (the arbiter's point query) answers it, unverified."""
     reply = ovt_pb2_grpc.ClaimsStub(channel).GetLeaf(
-        ovt_pb2.StepRef(job_id=job.spec.job_id, step=FORGED), timeout=10)
-    assert reply.state_hash != job.honest.leaf(FORGED).state_hash
-    with pytest.raises(PeerError, match=f"leaf {FORGED} with its proof does not verify"):
-        trainer_claim(channel, job.spec, FORGED, job.signed, 10)
+        ovt_pb2.StepRef(job_id=spec.job_id, step=step), timeout=10)
+    return Claim(spec.job_id, step, reply.state_hash, reply.log_hash, tuple(reply.proof),
+                 reply.tree_size)
 
 
 @pytest.mark.network
@@ -290,7 +301,7 @@ def test_the_trainer_daemon_injects_its_faults_and_warns(job, tmp_path, caplog):
             store = node.stores.get(job.spec.job_id)
             _assert_cheats_at(job, store, 2, "skip-step")
             signed = store.commitment(STEPS)
-            with pytest.raises(PeerError, match="does not verify"):
-                trainer_claim(channel, job.spec, 1, signed, 10)
+            with pytest.raises(ProofError):
+                _point_claim(channel, job.spec, 1).verify(signed)
     finally:
         assert node.stop()
