@@ -18,7 +18,7 @@ from pathlib import Path
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import build_server
+from proto.serving import build_server, make_health
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 
@@ -50,12 +50,13 @@ class AuditorNode:
                                   hooks=AuditorFaults(faults) if faults else None)
         claims = ClaimsServicer(StoreDirectory(Path(store_root)))
         auditor = AuditorServicer(self.runner)
+        self.health = make_health()
         self.server, self.port = build_server(
             listen,
             [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
              lambda s: ovt_pb2_grpc.add_AuditorServicer_to_server(auditor, s)],
             service_names=SERVICE_NAMES, tls_cert=tls_cert, tls_key=tls_key,
-            allow_remote_plaintext=allow_remote_plaintext)
+            allow_remote_plaintext=allow_remote_plaintext, health=self.health)
 
     def start(self) -> int:
         """Start auditing (resuming interrupted audits) and serving; returns the bound port."""
@@ -64,7 +65,9 @@ class AuditorNode:
         return self.port
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop taking requests, end the streams, and stop the running audit after its step."""
+        """Report NOT_SERVING, stop taking requests, end the streams, and stop the running audit
+        after its step."""
+        self.health.enter_graceful_shutdown()
         self.runner.stop(timeout=0)
         self.server.stop(grace_s).wait(grace_s + 1)
         self.runner.stop(timeout=grace_s + 60)

@@ -4,7 +4,9 @@ Every ovt daemon builds its server here, so all of them share one policy (issue 
 - message sizes are bounded both ways (`max_message_bytes`); a bigger message is refused by gRPC
   with RESOURCE_EXHAUSTED before any servicer sees it;
 - the standard health service (`grpc.health.v1.Health`) answers SERVING for "" and for every
-  named service while the server runs;
+  named service while the server runs; a daemon that passes its own `make_health()` switches it
+  to NOT_SERVING (`enter_graceful_shutdown`) when it starts to shut down, so a client watching
+  health (a load balancer, a peer's Health.Watch) hears before the port closes;
 - TLS when a certificate and key are given; plaintext only on a loopback address (127.0.0.0/8,
   ::1, localhost) unless the caller passes `allow_remote_plaintext` (the CLI's explicitly named
   `--insecure-allow-remote-plaintext`); anything else is a `ConfigError`.
@@ -28,7 +30,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health as health_servicer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protocol.errors import ConfigError
 
@@ -67,12 +70,15 @@ def build_server(listen: str, servicers: Sequence[AddServicer], *, tls_cert: Pat
                  tls_key: Path | None, allow_remote_plaintext: bool,
                  service_names: Sequence[str] = (),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, workers: int = 8,
-                 max_concurrent_rpcs: int | None = None) -> tuple[grpc.Server, int]:
+                 max_concurrent_rpcs: int | None = None,
+                 health: health_servicer.HealthServicer | None = None
+                 ) -> tuple[grpc.Server, int]:
     """A bound, not yet started server with the given servicers and the health service.
 
     `servicers` are functions adding one servicer each (e.g. a lambda over
     `ovt_pb2_grpc.add_ClaimsServicer_to_server`); `service_names` are reported SERVING by the
-    health service. Returns (server, bound port); port 0 in `listen` binds an ephemeral port.
+    health service, `health` (default: a new one) if the caller keeps it to report shutdown.
+    Returns (server, bound port); port 0 in `listen` binds an ephemeral port.
     Raises ConfigError for a malformed address, half a TLS pair, unreadable TLS files,
     plaintext on a non-loopback address without `allow_remote_plaintext`, or a failed bind.
     """
@@ -88,7 +94,10 @@ def build_server(listen: str, servicers: Sequence[AddServicer], *, tls_cert: Pat
                          maximum_concurrent_rpcs=max_concurrent_rpcs)
     for add in servicers:
         add(server)
-    _add_health(server, service_names)
+    health = health or make_health()
+    for name in ("", *service_names):
+        health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         port = (server.add_secure_port(listen, credentials) if credentials is not None
                 else server.add_insecure_port(listen))
@@ -99,11 +108,9 @@ def build_server(listen: str, servicers: Sequence[AddServicer], *, tls_cert: Pat
     return server, port
 
 
-def _add_health(server: grpc.Server, service_names: Sequence[str]) -> None:
-    servicer = health.HealthServicer()
-    for name in ("", *service_names):
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+def make_health() -> health_servicer.HealthServicer:
+    """A health servicer for `build_server`, kept by a daemon to report its shutdown."""
+    return health_servicer.HealthServicer()
 
 
 def _server_credentials(tls_cert: Path | None, tls_key: Path | None):

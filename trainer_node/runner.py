@@ -24,6 +24,7 @@ from protocol.signing import KeyPair
 from protocol.store import JobStore
 
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
+MAX_QUEUED = 64  # jobs waiting to train; Submit beyond it is RESOURCE_EXHAUSTED
 
 log = logging.getLogger("ovt.trainer")
 
@@ -41,6 +42,10 @@ class JobStatus:
     @property
     def finished(self) -> bool:
         return self.state in (DONE, FAILED)
+
+
+class QueueFullError(OvtError):
+    """Too many jobs are waiting to train; try again later."""
 
 
 class _StopRequested(Exception):
@@ -90,11 +95,21 @@ class JobRunner:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def accepts(self, job_id: bytes) -> bool:
+        """Whether `submit` would take this job now: one it already holds (not failed) always,
+        a new or failed one while fewer than MAX_QUEUED jobs wait."""
+        with self._changed:
+            current = self._status.get(job_id)
+            return (current is not None and current.state != FAILED) or \
+                len(self._queue) < MAX_QUEUED
+
     def submit(self, store: JobStore) -> JobStatus:
         """Queue a job (idempotent: a queued, running or done job keeps its status; a failed
-        one is queued again)."""
-        self.stores.add(store)
+        one is queued again). Raises QueueFullError when MAX_QUEUED jobs wait already."""
         with self._changed:
+            if not self.accepts(store.spec.job_id):
+                raise QueueFullError(f"{MAX_QUEUED} jobs are already waiting to train")
+            self.stores.add(store)
             current = self._status.get(store.spec.job_id)
             if current is not None and current.state != FAILED:
                 return current

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server
+from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 
@@ -60,13 +60,15 @@ class TrainerNode:
         claims = ClaimsServicer(self.stores, leaf_fault=faults.leaf_fault
                                 if faults and faults.serving else None)
         trainer = TrainerServicer(config.store, self.runner, config.allowed_programs)
+        self.health = make_health()
         self.server, self.port = build_server(
             config.listen,
             [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
              lambda s: ovt_pb2_grpc.add_TrainerServicer_to_server(trainer, s)],
             service_names=SERVICE_NAMES, tls_cert=config.tls_cert, tls_key=config.tls_key,
             allow_remote_plaintext=config.allow_remote_plaintext,
-            max_message_bytes=config.max_message_bytes, workers=config.workers)
+            max_message_bytes=config.max_message_bytes, workers=config.workers,
+            health=self.health)
 
     def start(self) -> int:
         """Queue unfinished jobs, start training and serving; returns the bound port."""
@@ -79,6 +81,7 @@ class TrainerNode:
     def stop(self, grace_s: float = 5.0, runner_timeout_s: float = 60.0) -> bool:
         """Stop the runner after its current step and the server after `grace_s` seconds;
         True if the runner ended in time."""
+        self.health.enter_graceful_shutdown()  # NOT_SERVING, before the port closes
         self.runner.stop(0)  # refuse new work and wake every Watch at once
         self.server.stop(grace=grace_s).wait(grace_s + 1)
         stopped = self.runner.stop(runner_timeout_s)

@@ -7,6 +7,7 @@ becomes a gRPC status with a one-line message (never a traceback):
     job id not 32 bytes                                            INVALID_ARGUMENT
     program not allowed here, missing, or its source hash differs  FAILED_PRECONDITION
     unknown job                                                    NOT_FOUND
+    MAX_QUEUED jobs already waiting (a new job refused unwritten)  RESOURCE_EXHAUSTED
     daemon shutting down                                           UNAVAILABLE
 
 Submitting is idempotent: the job id is the spec's hash, and submitting a known job returns the
@@ -30,7 +31,7 @@ from protocol.programs.registry import BUILTIN
 from protocol.state import state_digest
 from protocol.store import JobStore
 
-from .runner import JobRunner, JobStatus
+from .runner import MAX_QUEUED, JobRunner, JobStatus, QueueFullError
 
 WATCH_POLL_S = 1.0  # how often a Watch checks that its client is still there
 
@@ -55,13 +56,18 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         state0 = self._initial_state(request.initial_state, spec, context)
         self._check_program(spec, context)
         with self._submit_lock:  # one store creation per job, however many clients submit it
+            if not self.runner.accepts(spec.job_id):  # before anything is written to disk
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{MAX_QUEUED} jobs are already waiting; submit again later")
             try:
                 store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
                 if store.last_step() < 0:
                     store.put_initial(state0)
+                self.runner.submit(store)
             except StoreError as err:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            self.runner.submit(store)
+            except QueueFullError as err:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         return ovt_pb2.SubmitReply(job_id=spec.job_id)
 
     def Status(self, request, context):
