@@ -36,6 +36,7 @@ from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
 from protocol.verdict import summary, verify_verdict
+from trainer_node.client import submit_job
 from trainer_node.faults import TRAINING_KINDS, parse_fault
 
 from .adjudicate import adjudicate
@@ -114,9 +115,8 @@ def _story(args, work: Path) -> int:
                         for name, address in addresses.items()}
             state0_bytes = safetensors.torch.save(state0)
             for trainer in (honest, cheater):
-                ovt_pb2_grpc.TrainerStub(channels[trainer]).Submit(
-                    ovt_pb2.SubmitRequest(spec=spec.to_bytes(), initial_state=state0_bytes),
-                    timeout=CALL_TIMEOUT_S)
+                submit_job(channels[trainer], spec.to_bytes(), state0_bytes,
+                           timeout=RUN_TIMEOUT_S)
             for trainer in (honest, cheater):
                 _watch_training(channels[trainer], trainer, job_id)
 

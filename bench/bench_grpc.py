@@ -3,7 +3,7 @@
 Serves one random payload (default 64 MiB, about a mid-sized model's S_t) from a real gRPC
 server on 127.0.0.1 built by `proto.serving.build_server`, two ways:
 
-- **ovt chunks**: the payload through `proto.claims._chunks` (1 MiB `Chunk` messages with
+- **ovt chunks**: the payload through `proto.claims.chunks` (1 MiB `Chunk` messages with
   offset, total size and the sha256 on the last one, hashed on the server for every call), and
   reassembled and checked by `proto.claims.join_chunks` on the client — what `GetCheckpoint`
   does minus reading the checkpoint file;
@@ -27,7 +27,7 @@ import time
 import grpc
 
 from proto import ovt_pb2
-from proto.claims import CHUNK_BYTES, _chunks, join_chunks
+from proto.claims import CHUNK_BYTES, chunks, join_chunks
 from proto.serving import build_server, make_channel
 
 SERVICE = "ovtbench.Stream"
@@ -38,8 +38,8 @@ def _identity(data: bytes) -> bytes:
 
 
 def _add_bench_service(payload: bytes):
-    def chunks(request, context):
-        yield from _chunks(payload)
+    def chunked(request, context):
+        yield from chunks(payload)
 
     def raw(request, context):
         for offset in range(0, len(payload), CHUNK_BYTES):
@@ -47,7 +47,7 @@ def _add_bench_service(payload: bytes):
 
     handlers = {
         "Chunks": grpc.unary_stream_rpc_method_handler(
-            chunks, request_deserializer=_identity,
+            chunked, request_deserializer=_identity,
             response_serializer=ovt_pb2.Chunk.SerializeToString),
         "Raw": grpc.unary_stream_rpc_method_handler(
             raw, request_deserializer=_identity, response_serializer=_identity),
@@ -69,11 +69,13 @@ def bench(mib: int, repeats: int) -> dict:
     server.start()
     try:
         with make_channel(f"127.0.0.1:{port}", tls_ca=None) as channel:
-            chunks = channel.unary_stream(f"/{SERVICE}/Chunks", request_serializer=_identity,
-                                          response_deserializer=ovt_pb2.Chunk.FromString)
+            get_chunks = channel.unary_stream(f"/{SERVICE}/Chunks",
+                                              request_serializer=_identity,
+                                              response_deserializer=ovt_pb2.Chunk.FromString)
             raw = channel.unary_stream(f"/{SERVICE}/Raw", request_serializer=_identity,
                                        response_deserializer=_identity)
-            ways = {"ovt_chunks": lambda: join_chunks(chunks(b"", timeout=600), len(payload)),
+            ways = {"ovt_chunks": lambda: join_chunks(get_chunks(b"", timeout=600),
+                                                      len(payload)),
                     "plain_stream": lambda: b"".join(raw(b"", timeout=600))}
             seconds: dict[str, list[float]] = {name: [] for name in ways}
             for i in range(repeats + 1):

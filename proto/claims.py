@@ -172,7 +172,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
                 state = store.state_at(request.step, ex)
             except StoreError as err:
                 context.abort(grpc.StatusCode.DATA_LOSS, str(err))
-        yield from _chunks(safetensors.torch.save(state))
+        yield from chunks(safetensors.torch.save(state))
 
     def GetBatch(self, request, context):
         store = self._store(request.job_id, context)
@@ -201,12 +201,14 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
                                  proof=tree.proof(step), tree_size=tree.size)
 
 
-def _chunks(payload: bytes):
+def chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES):
+    """`payload` as a stream of `Chunk`s of at most `chunk_bytes`, the last carrying the
+    payload's sha256 (how checkpoints and a submitted S_0 travel; `join_chunks` reverses it)."""
     digest = hashlib.sha256(payload).digest()
     total = len(payload)
-    for offset in range(0, max(total, 1), CHUNK_BYTES):
-        last = offset + CHUNK_BYTES >= total
-        yield ovt_pb2.Chunk(data=payload[offset:offset + CHUNK_BYTES], offset=offset,
+    for offset in range(0, max(total, 1), chunk_bytes):
+        last = offset + chunk_bytes >= total
+        yield ovt_pb2.Chunk(data=payload[offset:offset + chunk_bytes], offset=offset,
                             total_size=total, sha256=digest if last else b"")
 
 

@@ -112,6 +112,14 @@ class SubmitReply(_message.Message):
     job_id: bytes
     def __init__(self, job_id: _Optional[bytes] = ...) -> None: ...
 
+class SubmitPart(_message.Message):
+    __slots__ = ("spec", "initial_state")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
+    spec: bytes
+    initial_state: Chunk
+    def __init__(self, spec: _Optional[bytes] = ..., initial_state: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "state", "step", "steps", "error")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -374,6 +374,11 @@ class TrainerStub:
                 request_serializer=proto_dot_ovt__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=proto_dot_ovt__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_unary(
+                '/ovt.v1.Trainer/SubmitStream',
+                request_serializer=proto_dot_ovt__pb2.SubmitPart.SerializeToString,
+                response_deserializer=proto_dot_ovt__pb2.SubmitReply.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/ovt.v1.Trainer/Status',
                 request_serializer=proto_dot_ovt__pb2.JobRef.SerializeToString,
@@ -390,7 +395,15 @@ class TrainerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """S_0 within one message
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitStream(self, request_iterator, context):
+        """S_0 of any size
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -414,6 +427,11 @@ def add_TrainerServicer_to_server(servicer, server):
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
                     request_deserializer=proto_dot_ovt__pb2.SubmitRequest.FromString,
+                    response_serializer=proto_dot_ovt__pb2.SubmitReply.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=proto_dot_ovt__pb2.SubmitPart.FromString,
                     response_serializer=proto_dot_ovt__pb2.SubmitReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
@@ -453,6 +471,33 @@ class Trainer:
             target,
             '/ovt.v1.Trainer/Submit',
             proto_dot_ovt__pb2.SubmitRequest.SerializeToString,
+            proto_dot_ovt__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ovt.v1.Trainer/SubmitStream',
+            proto_dot_ovt__pb2.SubmitPart.SerializeToString,
             proto_dot_ovt__pb2.SubmitReply.FromString,
             options,
             channel_credentials,

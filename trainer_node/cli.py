@@ -33,6 +33,7 @@ from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
 
+from .client import submit_job
 from .faults import KINDS as FAULT_KINDS
 from .faults import Fault, parse_fault
 from .server import TrainerConfig, TrainerNode
@@ -40,6 +41,7 @@ from .server import TrainerConfig, TrainerNode
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 CALL_TIMEOUT_S = 60.0
+SUBMIT_TIMEOUT_S = 3600.0  # S_0 may be gigabytes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                "(default: %(default)s)")
     serve.add_argument("--max-message-mb", type=int, default=64,
                        help="largest gRPC message accepted or sent, MiB (default: %(default)s)")
+    serve.add_argument("--max-state-mb", type=int, default=8192,
+                       help="largest S_0 a client may submit (streamed, held in memory), MiB "
+                            "(default: %(default)s)")
     serve.add_argument("--allow-program", action="append", default=[], metavar="REF",
                        help="a user program (package.module:function or file.py:function) "
                             "clients may submit jobs for; built-ins are always allowed")
@@ -147,15 +152,17 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
 def _serve(args) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s ovt-trainer %(levelname)s %(message)s")
-    if args.max_message_mb < 1 or args.workers < 1 or (args.threads is not None and
-                                                        args.threads < 1):
-        raise ConfigError("--max-message-mb, --workers and --threads must be at least 1")
+    if min(args.max_message_mb, args.max_state_mb, args.workers,
+           1 if args.threads is None else args.threads) < 1:
+        raise ConfigError("--max-message-mb, --max-state-mb, --workers and --threads must be "
+                          "at least 1")
     profile = _profile(args)
     node = TrainerNode(TrainerConfig(
         listen=args.listen, store=args.store, key=KeyPair.load(args.key), profile=profile,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         allow_remote_plaintext=args.insecure_allow_remote_plaintext,
-        max_message_bytes=args.max_message_mb << 20, workers=args.workers,
+        max_message_bytes=args.max_message_mb << 20, max_state_bytes=args.max_state_mb << 20,
+        workers=args.workers,
         allowed_programs=tuple(args.allow_program), faults=tuple(args.inject_fault)))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -210,12 +217,14 @@ def _rpc_error(call: str, err: grpc.RpcError) -> PeerError:
 def _submit(args) -> int:
     spec_bytes = _read(args.spec, "job spec")
     state0 = _read(args.spec.with_name(args.spec.stem + ".s0.safetensors"), "initial state")
-    try:
-        reply = _stub(args).Submit(ovt_pb2.SubmitRequest(spec=spec_bytes, initial_state=state0),
-                                   timeout=CALL_TIMEOUT_S)
-    except grpc.RpcError as err:
-        raise _rpc_error("Submit", err) from None
-    print(reply.job_id.hex())
+    channel = make_channel(args.trainer, tls_ca=args.tls_ca,
+                           allow_remote_plaintext=args.insecure_allow_remote_plaintext)
+    with channel:
+        try:
+            job_id = submit_job(channel, spec_bytes, state0, timeout=SUBMIT_TIMEOUT_S)
+        except grpc.RpcError as err:
+            raise _rpc_error("SubmitStream", err) from None
+    print(job_id.hex())
     return 0
 
 

@@ -21,7 +21,7 @@ from protocol.signing import KeyPair
 
 from .faults import Fault, TrainerFaults
 from .runner import JobRunner
-from .service import TrainerServicer
+from .service import DEFAULT_MAX_STATE_BYTES, TrainerServicer
 
 SERVICE_NAMES = ("ovt.v1.Claims", "ovt.v1.Trainer")
 log = logging.getLogger("ovt.trainer")
@@ -37,6 +37,7 @@ class TrainerConfig:
     tls_key: Path | None = None
     allow_remote_plaintext: bool = False
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES  # the largest S_0 SubmitStream takes
     workers: int = 8
     allowed_programs: tuple[str, ...] = field(default=())
     # FAULT INJECTION (tests and demos only): make this trainer cheat, see trainer_node.faults.
@@ -59,7 +60,8 @@ class TrainerNode:
                                 hooks=faults if faults and faults.training else None)
         claims = ClaimsServicer(self.stores, leaf_fault=faults.leaf_fault
                                 if faults and faults.serving else None)
-        trainer = TrainerServicer(config.store, self.runner, config.allowed_programs)
+        trainer = TrainerServicer(config.store, self.runner, config.allowed_programs,
+                                  max_state_bytes=config.max_state_bytes)
         self.health = make_health()
         self.server, self.port = build_server(
             config.listen,

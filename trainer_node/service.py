@@ -8,6 +8,7 @@ becomes a gRPC status with a one-line message (never a traceback):
     program not allowed here, missing, or its source hash differs  FAILED_PRECONDITION
     unknown job                                                    NOT_FOUND
     MAX_QUEUED jobs already waiting (a new job refused unwritten)  RESOURCE_EXHAUSTED
+    SubmitStream: no spec first, a broken or oversized S_0 stream  INVALID_ARGUMENT
     daemon shutting down                                           UNAVAILABLE
 
 Submitting is idempotent: the job id is the spec's hash, and submitting a known job returns the
@@ -25,6 +26,7 @@ import safetensors
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
+from proto.claims import PeerError, join_chunks
 from protocol.errors import ConfigError, OvtError, ProgramError, StoreError
 from protocol.jobspec import JobSpec
 from protocol.programs.registry import BUILTIN
@@ -34,6 +36,7 @@ from protocol.store import JobStore
 from .runner import MAX_QUEUED, JobRunner, JobStatus, QueueFullError
 
 WATCH_POLL_S = 1.0  # how often a Watch checks that its client is still there
+DEFAULT_MAX_STATE_BYTES = 8 << 30  # the largest S_0 SubmitStream takes (it is held in memory)
 
 
 class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
@@ -43,18 +46,48 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     a program imports code on this machine, so a peer may never choose an arbitrary one.
     """
 
-    def __init__(self, root: Path, runner: JobRunner,
-                 allowed_programs: Collection[str] = ()) -> None:
+    def __init__(self, root: Path, runner: JobRunner, allowed_programs: Collection[str] = (),
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         self.root, self.runner = Path(root), runner
+        self.max_state_bytes = max_state_bytes
         self.allowed_programs = frozenset(BUILTIN) | frozenset(allowed_programs)
         self._submit_lock = threading.Lock()
 
     def Submit(self, request, context):
-        if self.runner.stopping:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the trainer is shutting down")
+        self._require_running(context)
         spec = self._spec(request.spec, context)
         state0 = self._initial_state(request.initial_state, spec, context)
         self._check_program(spec, context)
+        return self._submit(spec, state0, context)
+
+    def SubmitStream(self, request_iterator, context):
+        """Submit with S_0 streamed in chunks. The spec (first part) is checked, program
+        included, before a byte of S_0 is accepted; S_0 may be at most `max_state_bytes`."""
+        self._require_running(context)
+        parts = iter(request_iterator)
+        first = next(parts, None)
+        if first is None or not first.spec:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the first part of SubmitStream must carry the job spec")
+        spec = self._spec(first.spec, context)
+        self._check_program(spec, context)
+
+        def state_chunks():
+            if first.HasField("initial_state"):
+                yield first.initial_state
+            for part in parts:
+                if part.spec:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "only the first part of SubmitStream may carry a spec")
+                yield part.initial_state
+
+        try:
+            data = join_chunks(state_chunks(), self.max_state_bytes)
+        except PeerError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initial_state: {err}")
+        return self._submit(spec, self._initial_state(data, spec, context), context)
+
+    def _submit(self, spec: JobSpec, state0, context) -> ovt_pb2.SubmitReply:
         with self._submit_lock:  # one store creation per job, however many clients submit it
             if not self.runner.accepts(spec.job_id):  # before anything is written to disk
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -86,6 +119,10 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                 yield _to_message(status)
 
     # -- validation ----------------------------------------------------------------------------
+
+    def _require_running(self, context) -> None:
+        if self.runner.stopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the trainer is shutting down")
 
     @staticmethod
     def _spec(data: bytes, context) -> JobSpec:
