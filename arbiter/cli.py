@@ -33,10 +33,11 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.serving import make_channel
 from protocol.challenge import Challenge
-from protocol.errors import ConfigError, EncodingError, OvtError, VerdictError
+from protocol.commands import run_command
+from protocol.errors import ConfigError, EncodingError, VerdictError
 from protocol.jobspec import JobSpec
 from protocol.profiles import Profile
-from protocol.programs.registry import BUILTIN
+from protocol.programs.registry import require_allowed
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
 from protocol.verdict import recheck_evidence, save_evidence, summary, verify_verdict
@@ -46,23 +47,11 @@ from .demo import add_demo_command
 from .parties import RemoteParty
 
 EXIT_INVALID = 1
-EXIT_USAGE = 2
 CALL_TIMEOUT_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except VerdictError as err:
-        print(f"ovt-arbiter: INVALID verdict: {err}", file=sys.stderr)
-        return EXIT_INVALID
-    except OvtError as err:
-        print(f"ovt-arbiter: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ovt-arbiter: interrupted", file=sys.stderr)
-        return 130
+    return run_command("ovt-arbiter", _parser().parse_args(argv))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,13 +107,6 @@ def _allow_program(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-program", action="append", default=[], metavar="REF",
                         help="also re-execute jobs of this non-built-in program (loading a "
                              "program runs its code here; repeatable)")
-
-
-def _require_allowed(spec: JobSpec, allowed: list[str]) -> None:
-    if spec.program not in BUILTIN and spec.program not in allowed:
-        raise ConfigError(f"job {spec.job_id.hex()} runs program {spec.program!r}, which is not "
-                          f"a built-in ({', '.join(sorted(BUILTIN))}); allow it with "
-                          f"--allow-program")
 
 
 def _profile_options(parser: argparse.ArgumentParser) -> None:
@@ -186,7 +168,7 @@ def _adjudicate(args) -> int:
     with make_channel(args.trainer, **tls) as t_channel, \
             make_channel(args.auditor, **tls) as a_channel:
         spec = _fetch_spec(job_id, [("trainer", t_channel), ("auditor", a_channel)])
-        _require_allowed(spec, args.allow_program)
+        require_allowed(spec.program, args.allow_program, "arbiter")
         challenge = _challenge(args, a_channel, job_id)
         print(f"ovt-arbiter: job {job_id.hex()[:16]}…: the auditor challenges step "
               f"{challenge.step} of {spec.steps}", file=sys.stderr)
@@ -267,11 +249,16 @@ def _verify(args) -> int:
         data = args.verdict.read_bytes()
     except OSError as err:
         raise ConfigError(f"cannot read {args.verdict}: {err.strerror}") from None
-    verdict = verify_verdict(data, arbiter_key=_hex_bytes(args.arbiter_key, "--arbiter-key",
-                                                          32))
-    if args.evidence is not None:
-        _require_allowed(JobSpec.from_bytes(verdict.spec), args.allow_program)
-        recheck_evidence(verdict, args.evidence, profile=profile_of(args))
+    arbiter_key = _hex_bytes(args.arbiter_key, "--arbiter-key", 32)
+    try:
+        verdict = verify_verdict(data, arbiter_key=arbiter_key)
+        if args.evidence is not None:
+            require_allowed(JobSpec.from_bytes(verdict.spec).program, args.allow_program,
+                            "arbiter")
+            recheck_evidence(verdict, args.evidence, profile=profile_of(args))
+    except VerdictError as err:
+        print(f"ovt-arbiter: INVALID verdict: {err}", file=sys.stderr)
+        return EXIT_INVALID
     _show(verdict, args.json, rechecked=args.evidence is not None)
     return 0
 

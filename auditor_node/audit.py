@@ -30,7 +30,7 @@ from protocol.errors import ConfigError, EncodingError, OvtError
 from protocol.jobrun import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.jobspec import JobSpec
 from protocol.profiles import Profile
-from protocol.programs.registry import BUILTIN
+from protocol.programs.registry import require_allowed
 from protocol.signing import Claim, KeyPair, SignedCommitment
 from protocol.store import JobStore, atomic_write
 
@@ -127,10 +127,7 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     with make_channel(trainer_address, tls_ca=tls_ca,
                       allow_remote_plaintext=allow_remote_plaintext) as channel:
         spec = fetch_spec(channel, job_id, deadline_s)
-        if spec.program not in BUILTIN and spec.program not in allowed_programs:
-            raise ConfigError(f"job {job_id.hex()} runs program {spec.program!r}, which is not "
-                              f"allowed on this auditor (built-ins: {', '.join(sorted(BUILTIN))};"
-                              f" allow others with --allow-program)")
+        require_allowed(spec.program, allowed_programs, "auditor")
         store = JobStore(store_root, spec)
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)

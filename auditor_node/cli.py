@@ -19,7 +19,8 @@ import sys
 import threading
 from pathlib import Path
 
-from protocol.errors import ConfigError, OvtError
+from protocol.commands import run_command
+from protocol.errors import ConfigError
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
@@ -29,22 +30,13 @@ from .faults import KINDS as FAULT_KINDS
 from .faults import AuditorFaults, Fault, parse_auditor_fault
 from .server import AuditorNode
 
-EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_DIVERGED = 0, 1
 _PLAINTEXT_HELP = ("allow plaintext gRPC on a non-loopback address (listening and connecting "
                    "to trainers); unsafe: anyone on the path can read and alter the traffic")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except OvtError as err:
-        print(f"ovt-auditor: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("ovt-auditor: interrupted", file=sys.stderr)
-        return 130
+    return run_command("ovt-auditor", _parser().parse_args(argv))
 
 
 def _parser() -> argparse.ArgumentParser:

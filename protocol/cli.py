@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from . import jobcli, profiles
+from .commands import run_command
 from .errors import ConfigError, OvtError
 from .precision import PrecisionPolicy
 from .programs.registry import BUILTIN, load_program
@@ -43,14 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
-    try:
-        return args.run(args)
-    except OvtError as err:
-        print(f"ovt: error: {err}", file=sys.stderr)
-        return err.exit_code if err.exit_code != EXIT_DIVERGED else EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ovt: interrupted", file=sys.stderr)
-        return 130
+    return run_command("ovt", args)
 
 
 def _parser() -> argparse.ArgumentParser:

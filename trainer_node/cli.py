@@ -28,7 +28,8 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError
 from proto.serving import make_channel, make_self_signed_cert
-from protocol.errors import ConfigError, OvtError
+from protocol.commands import run_command
+from protocol.errors import ConfigError
 from protocol.profiles import Profile
 from protocol.signing import KeyPair
 from protocol.store import atomic_write
@@ -45,15 +46,7 @@ SUBMIT_TIMEOUT_S = 3600.0  # S_0 may be gigabytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except OvtError as err:
-        print(f"ovt-trainer: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ovt-trainer: interrupted", file=sys.stderr)
-        return 130
+    return run_command("ovt-trainer", _parser().parse_args(argv))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError, join_chunks
 from protocol.errors import ConfigError, OvtError, ProgramError, StoreError
 from protocol.jobspec import JobSpec
-from protocol.programs.registry import BUILTIN
+from protocol.programs.registry import require_allowed
 from protocol.state import state_digest
 from protocol.store import JobStore
 
@@ -50,7 +50,7 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
         self.root, self.runner = Path(root), runner
         self.max_state_bytes = max_state_bytes
-        self.allowed_programs = frozenset(BUILTIN) | frozenset(allowed_programs)
+        self.allowed_programs = frozenset(allowed_programs)
         self._submit_lock = threading.Lock()
 
     def Submit(self, request, context):
@@ -144,12 +144,8 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         return state
 
     def _check_program(self, spec: JobSpec, context) -> None:
-        if spec.program not in self.allowed_programs:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"program {spec.program!r} is not allowed on this trainer (built-ins: "
-                          f"{', '.join(sorted(BUILTIN))}; the operator allows others with "
-                          f"--allow-program)")
         try:
+            require_allowed(spec.program, self.allowed_programs, "trainer")
             spec.program_instance()
         except (ProgramError, ConfigError) as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, _one_line(err))

@@ -18,7 +18,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -58,6 +58,16 @@ def load_program(ref: str, config: Mapping[str, Any] | None = None,
         raise ProgramError(f"program {ref!r} returned {type(program).__name__}, "
                            f"not a TrainingProgram")
     return program
+
+
+def require_allowed(ref: str, allowed: Collection[str], node: str) -> None:
+    """Refuse a program this node may not load. Loading a program imports its code here, so a
+    node loads only the built-ins and the references its operator named (`--allow-program`),
+    never one a peer chose. `node` names the node in the message. Raises ConfigError."""
+    if ref not in BUILTIN and ref not in allowed:
+        raise ConfigError(f"program {ref!r} is not allowed on this {node} (built-ins: "
+                          f"{', '.join(sorted(BUILTIN))}; the operator allows others with "
+                          f"--allow-program)")
 
 
 def program_source(ref: str) -> bytes:
