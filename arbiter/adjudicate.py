@@ -32,17 +32,21 @@ from dataclasses import dataclass
 import torch
 
 from protocol import game
-from protocol.batches import batch_indices
 from protocol.challenge import Challenge
-from protocol.datacommit import ProvenExample, verify_examples
+from protocol.datacommit import ProvenExample
 from protocol.errors import ConfigError, OvtError
 from protocol.game import AUDITOR, TRAINER, Dispute, GameState
 from protocol.jobspec import JobSpec
-from protocol.logcodec import log_digest
 from protocol.profiles import Profile
-from protocol.reexecute import Reexecution, reexecute, withheld
+from protocol.reexecute import (
+    Reexecution,
+    check_examples,
+    check_log,
+    check_state,
+    reexecute,
+    withheld,
+)
 from protocol.signing import KeyPair, SignedCommitment
-from protocol.state import state_digest
 from protocol.verdict import Verdict, sign_verdict
 
 from .parties import NoAnswer, Party
@@ -245,37 +249,26 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
     does, the `withheld` finding instead (L_i is the trainer's alone to serve; S_{i-1} and
     B_i either party could, so neither serving one is on both)."""
     i = dispute.step
-    program = spec.program_instance()
-    indices = batch_indices(spec.seed, spec.data.count, program.batch_size, i)
-
-    def state_ok(state):
-        counter = state.get("step")
-        return state_digest(state) == dispute.agreed.state_hash and \
-            isinstance(counter, torch.Tensor) and counter.numel() == 1 and \
-            not counter.is_floating_point() and int(counter) == i - 1
-
-    def batch_ok(examples):
-        verify_examples(spec.data, examples, indices)
-        return True
-
-    def log_ok(data):
-        return log_digest(data) == dispute.trainer.log_hash
-
-    wanted = (
-        (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s), state_ok, "both"),
-        (f"B_{i}", lambda p: p.batch(i, timeout_s), batch_ok, "both"),
-        (f"L_{i}", lambda p: p.log(i, timeout_s), log_ok, TRAINER),
+    batch_size = spec.program_instance().batch_size
+    wanted = (  # what to ask, and `protocol.reexecute`'s own check of it (SPEC §5.3)
+        (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s),
+         lambda state: check_state(dispute, state)[1], "both"),
+        (f"B_{i}", lambda p: p.batch(i, timeout_s),
+         lambda examples: check_examples(spec, i, examples, batch_size)[1], "both"),
+        (f"L_{i}", lambda p: p.log(i, timeout_s), lambda log: check_log(dispute, log)[1],
+         TRAINER),
     )
     found, problems = [], []
-    for name, fetch, ok, owed_by in wanted:
+    for name, fetch, problem_of, owed_by in wanted:
         value = None
         for role, party in parties.items():
             try:
                 candidate = fetch(party)
-                if ok(candidate):
+                problem = problem_of(candidate)
+                if problem is None:
                     value = candidate
                     break
-                problems.append(f"the {role}'s {name} does not match what was signed")
+                problems.append(f"the {role}'s {name}: {problem}")
             except NoAnswer as err:
                 problems.append(f"the {role} did not serve {name}: {err}")
             except Exception as err:  # whatever a hostile peer's bytes make the checks raise

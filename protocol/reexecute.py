@@ -142,6 +142,57 @@ def withheld(step: int, by: str, detail: str, profile: str) -> Reexecution:
     return Reexecution(step, "withheld", None, _line(detail), by, profile, None, None, (), 0.0)
 
 
+def check_state(dispute: Dispute, state: object) -> tuple[bytes | None, str | None]:
+    """S_{i-1} against the agreed h_{i-1}, and its step counter against i - 1 (SPEC §5.3).
+    Returns (its digest, or None if it cannot be hashed; the problem, or None if it is good)."""
+    step = dispute.step
+    try:
+        digest = state_digest(state)
+    except (TypeError, AttributeError, ValueError, RuntimeError) as err:
+        return None, f"S_{step - 1} cannot be hashed as a state: {err}"
+    if digest != dispute.agreed.state_hash:
+        return digest, (f"S_{step - 1} hashes to {_short(digest)}, not the agreed "
+                        f"h_{step - 1} = {_short(dispute.agreed.state_hash)}")
+    counter = state.get("step")
+    if not isinstance(counter, torch.Tensor) or counter.numel() != 1 \
+            or counter.is_floating_point() or int(counter) != step - 1:
+        return digest, f"S_{step - 1} does not hold the step counter {step - 1}"
+    return digest, None
+
+
+def check_examples(spec: JobSpec, step: int, examples: object,
+                   batch_size: int) -> tuple[tuple[bytes, ...], str | None]:
+    """B_`step`'s examples against the job's data commitment at the indices its data order
+    picks (SPEC §2.1). Returns (the examples' digests, or () if they cannot be hashed; the
+    problem, or None)."""
+    if not isinstance(examples, list | tuple) or \
+            not all(isinstance(e, ProvenExample) for e in examples):
+        return (), "the examples of B_i must be a list of ProvenExample"
+    try:
+        digests = tuple(example_digest(e.example) for e in examples)
+    except (TypeError, AttributeError, ValueError, RuntimeError) as err:
+        return (), f"an example of B_{step} cannot be hashed: {err}"
+    indices = batch_indices(spec.seed, spec.data.count, batch_size, step)
+    try:
+        verify_examples(spec.data, list(examples), indices)
+    except (ProofError, TypeError, ValueError) as err:
+        return digests, f"the examples are not B_{step} of the data commitment: {err}"
+    return digests, None
+
+
+def check_log(dispute: Dispute, log: object) -> tuple[bytes | None, str | None]:
+    """L_i's bytes against the trainer's ℓ_i (SPEC §5.3). Returns (their digest, or None if
+    they are not bytes; the problem, or None)."""
+    step = dispute.step
+    if not isinstance(log, bytes | bytearray | memoryview):
+        return None, f"L_{step} must be bytes, not {type(log).__name__}"
+    digest = log_digest(bytes(log))
+    if digest != dispute.trainer.log_hash:
+        return digest, (f"L_{step} hashes to {_short(digest)}, not the trainer's "
+                        f"ℓ_{step} = {_short(dispute.trainer.log_hash)}")
+    return digest, None
+
+
 def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tensor],
               examples: list[ProvenExample], log: bytes, *, profile: Profile) -> Reexecution:
     """Check the evidence for disputed step i = `dispute.step` and replay it (SPEC §5.3).
@@ -158,54 +209,18 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     """
     started = time.perf_counter()
     step = dispute.step
-    found: dict[str, Any] = {"prev_state_hash": None, "log_digest": None,
-                             "example_digests": ()}
+    program = spec.program_instance()
+    prev_hash, problem = check_state(dispute, prev_state)
+    digests, examples_problem = check_examples(spec, step, examples, program.batch_size)
+    log_hash, log_problem = check_log(dispute, log)
 
     def result(finding: str, detail: str, state_hash: bytes | None = None) -> Reexecution:
         return Reexecution(step, finding, state_hash, _line(detail), None, profile.name,
-                           found["prev_state_hash"], found["log_digest"],
-                           tuple(found["example_digests"]), time.perf_counter() - started)
+                           prev_hash, log_hash, digests, time.perf_counter() - started)
 
-    # S_{i-1} against the agreed h_{i-1} (SPEC §5.3).
-    try:
-        found["prev_state_hash"] = state_digest(prev_state)
-    except (TypeError, AttributeError, ValueError, RuntimeError) as err:
-        return result("bad-evidence", f"S_{step - 1} cannot be hashed as a state: {err}")
-    if found["prev_state_hash"] != dispute.agreed.state_hash:
-        return result("bad-evidence",
-                      f"S_{step - 1} hashes to {_short(found['prev_state_hash'])}, not the "
-                      f"agreed h_{step - 1} = {_short(dispute.agreed.state_hash)}")
-    counter = prev_state.get("step")
-    if not isinstance(counter, torch.Tensor) or counter.numel() != 1 \
-            or counter.is_floating_point() or int(counter) != step - 1:
-        return result("bad-evidence", f"S_{step - 1} does not hold the step counter "
-                                      f"{step - 1}")
-
-    # B_i's examples against the data commitment (SPEC §2.1).
-    if not isinstance(examples, list | tuple) or \
-            not all(isinstance(e, ProvenExample) for e in examples):
-        return result("bad-evidence", "the examples of B_i must be a list of ProvenExample")
-    try:
-        found["example_digests"] = tuple(example_digest(e.example) for e in examples)
-    except (TypeError, AttributeError, ValueError, RuntimeError) as err:
-        return result("bad-evidence", f"an example of B_{step} cannot be hashed: {err}")
-    program = spec.program_instance()
-    indices = batch_indices(spec.seed, spec.data.count, program.batch_size, step)
-    try:
-        verify_examples(spec.data, list(examples), indices)
-    except (ProofError, TypeError, ValueError) as err:
-        return result("bad-evidence", f"the examples are not B_{step} of the data "
-                                      f"commitment: {err}")
-
-    # L_i against the trainer's ℓ_i (SPEC §5.3).
-    if not isinstance(log, bytes | bytearray | memoryview):
-        return result("bad-evidence", f"L_{step} must be bytes, not {type(log).__name__}")
-    log = bytes(log)
-    found["log_digest"] = log_digest(log)
-    if found["log_digest"] != dispute.trainer.log_hash:
-        return result("bad-evidence",
-                      f"L_{step} hashes to {_short(found['log_digest'])}, not the trainer's "
-                      f"ℓ_{step} = {_short(dispute.trainer.log_hash)}")
+    problem = problem or examples_problem or log_problem
+    if problem is not None:
+        return result("bad-evidence", problem)
 
     # Replay step i (SPEC §3.2 replay mode) on the arbiter's own profile.
     ex = Executor(program, seed=spec.seed, policy=spec.policy, profile=profile)
@@ -214,7 +229,7 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     except ConfigError as err:
         return result("bad-evidence", f"S_{step - 1} does not fit the job's program: {err}")
     try:
-        ex.step(decode_log(log), examples=[e.example for e in examples])
+        ex.step(decode_log(bytes(log)), examples=[e.example for e in examples])
     except (LogFormatError, LogViolationError, LogMismatchError) as err:
         return result("invalid-log", str(err))
     if ex.step_count != step:  # load_state set the counter from S_{i-1}, checked above
