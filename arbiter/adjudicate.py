@@ -1,6 +1,6 @@
 """One adjudication: the bisection game against both parties, re-execution, a signed verdict.
 
-`adjudicate` drives `protocol.game` (the rules, SPEC §5.2) over two `Party` transports: each
+`adjudicate` drives `protocol.dispute.game` (the rules, SPEC §5.2) over two `Party` transports: each
 round it asks both parties for the same leaf at once, feeds their answers to the game in the
 order they arrive, and when a party has not answered by the per-move deadline it lets the
 deadline pass and calls `game.timeout`. A party whose call fails is asked again until the
@@ -9,9 +9,9 @@ deadline: only silence at the deadline loses, not a dropped connection that reco
 When the game ends at a disputed step i it gathers the evidence of SPEC §5.3 — S_{i-1}, B_i
 with data proofs, the trainer's L_i — from the trainer first and the auditor second, keeping
 only what verifies against what both signed (h_{i-1}, the job's data root, the trainer's ℓ_i),
-re-executes step i on this machine's profile (`protocol.reexecute`), and signs the verdict of
-SPEC §5.4 (`protocol.verdict`). Everything a party says is checked by the game or here; the
-arbiter trusts only the job spec (whose hash is the job id) and the parties' keys.
+re-executes step i on this machine's profile (`protocol.dispute.reexecute`), and signs the
+verdict of SPEC §5.4 (`protocol.dispute.verdict`). Everything a party says is checked by the game
+or here; the arbiter trusts only the job spec (whose hash is the job id) and the parties' keys.
 
 Keys: a party's registered key when the caller gives one, else the key of the commitment the
 party's own node serves — never a key taken from the challenge, which is the auditor's document
@@ -31,14 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol import game
-from protocol.challenge import Challenge
-from protocol.datacommit import ProvenExample
-from protocol.errors import ConfigError, OvtError
-from protocol.game import AUDITOR, TRAINER, Dispute, GameState
-from protocol.jobspec import JobSpec
-from protocol.profiles import Profile
-from protocol.reexecute import (
+from protocol.commit.data import ProvenExample
+from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.dispute import game
+from protocol.dispute.challenge import Challenge
+from protocol.dispute.game import AUDITOR, TRAINER, Dispute, GameState
+from protocol.dispute.reexecute import (
     Reexecution,
     check_examples,
     check_log,
@@ -46,8 +44,10 @@ from protocol.reexecute import (
     reexecute,
     withheld,
 )
-from protocol.signing import KeyPair, SignedCommitment
-from protocol.verdict import Verdict, sign_verdict
+from protocol.dispute.verdict import Verdict, sign_verdict
+from protocol.engine.profiles import Profile
+from protocol.errors import ConfigError, OvtError
+from protocol.job.spec import JobSpec
 
 from .parties import NoAnswer, Party
 
@@ -250,7 +250,7 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
     B_i either party could, so neither serving one is on both)."""
     i = dispute.step
     batch_size = spec.program_instance().batch_size
-    wanted = (  # what to ask, and `protocol.reexecute`'s own check of it (SPEC §5.3)
+    wanted = (  # what to ask, and `protocol.dispute.reexecute`'s own check of it (SPEC §5.3)
         (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s),
          lambda state: check_state(dispute, state)[1], "both"),
         (f"B_{i}", lambda p: p.batch(i, timeout_s),

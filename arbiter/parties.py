@@ -3,8 +3,8 @@
 A `Party` answers five questions about a job: its signed commitment (which names its key), leaf
 t with its inclusion proof (the bisection's question, SPEC §5.2), S_t, the examples of B_t with
 their data proofs, and L_t (the evidence of SPEC §5.3). Nothing a party returns is trusted
-here: leaves go to `protocol.game` as raw bytes, evidence is checked against what both parties
-signed before it is used.
+here: leaves go to `protocol.dispute.game` as raw bytes, evidence is checked against what both
+parties signed before it is used.
 
 `RemoteParty` asks a node's Claims service over gRPC and counts the bytes it receives (the
 benchmark's "bytes moved"); `StoreParty` answers from a local `JobStore`, for tests and for
@@ -22,15 +22,15 @@ import torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
-from protocol.batches import batch_indices
-from protocol.datacommit import ProvenExample, commit_dataset, prove_examples
+from protocol.codec.state import decode_state
+from protocol.commit.data import ProvenExample, commit_dataset, prove_examples
+from protocol.commit.signing import Claim, SignedCommitment
+from protocol.engine.batches import batch_indices
+from protocol.engine.executor import Executor
+from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
-from protocol.executor import Executor
-from protocol.jobspec import JobSpec
-from protocol.profiles import Profile
-from protocol.signing import Claim, SignedCommitment
-from protocol.state import decode_state
-from protocol.store import JobStore
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore
 
 MAX_STATE_BYTES = 1 << 31
 _REGENERATE = Profile("regenerate")  # a party regenerating its own S_t: its own hardware

@@ -1,7 +1,7 @@
 """One audit (SPEC §5.1): fetch a job from a trainer, replay it on this hardware, compare roots.
 
 `run_audit` asks the trainer for the job spec (and checks that it hashes to the job id it was
-asked for), then runs `protocol.jobrun.replay_job` over a verified `RemoteClaims` into the
+asked for), then runs `protocol.job.run.replay_job` over a verified `RemoteClaims` into the
 auditor's own `JobStore` under `store_root`, signing the auditor's own commitment. It resumes
 after the auditor's own crash: replayed steps come from its store, and the trainer's leaves it
 has already verified from `<store>/<job id>/trainer-leaves.ovt` (see `leafcache`). On a
@@ -24,15 +24,15 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import DEFAULT_DEADLINE_S, PeerError, RemoteClaims
 from proto.serving import make_channel
-from protocol.challenge import Challenge
-from protocol.encoding import decode, encode
+from protocol.codec.canonical import decode, encode
+from protocol.commit.signing import Claim, KeyPair, SignedCommitment
+from protocol.dispute.challenge import Challenge
+from protocol.engine.profiles import Profile
+from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, OvtError
-from protocol.jobrun import AuditOutcome, Progress, StepHooks, replay_job
-from protocol.jobspec import JobSpec
-from protocol.profiles import Profile
-from protocol.programs.registry import require_allowed
-from protocol.signing import Claim, KeyPair, SignedCommitment
-from protocol.store import JobStore, atomic_write
+from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore, atomic_write
 
 from .leafcache import CachedClaims
 

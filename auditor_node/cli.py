@@ -19,11 +19,11 @@ import sys
 import threading
 from pathlib import Path
 
-from protocol.commands import run_command
+from protocol.cli.commands import run_command
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import atomic_write
+from protocol.job.store import atomic_write
 
 from .audit import MATCHED, AuditRecord, run_audit
 from .faults import KINDS as FAULT_KINDS

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protocol.errors import ConfigError
-from protocol.jobrun import StepHooks
+from protocol.job.run import StepHooks
 from trainer_node.faults import AUDITOR_KINDS as KINDS  # one vocabulary of faults, shared
 from trainer_node.faults import Fault, one_ulp_off, parse_fault
 

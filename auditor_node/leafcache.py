@@ -8,7 +8,7 @@ already replayed are never asked for again either: `replay_job` resumes from the
 store.)
 
 The file is a sequence of records, each a 4-byte big-endian length and canonical bytes
-(`protocol.encoding`). The first record is the trainer's signed commitment the leaves were
+(`protocol.codec.canonical`). The first record is the trainer's signed commitment the leaves were
 verified against; each other one is `leaf_data(t, h_t, ℓ_t)`, the bytes leaf t hashes. The
 leaves are valid only under that commitment: when the trainer presents another, the file starts
 afresh. A torn or unreadable tail (a crash mid-append) is cut off when the file is opened.
@@ -20,11 +20,11 @@ import struct
 import threading
 from pathlib import Path
 
-from protocol.encoding import decode
+from protocol.codec.canonical import decode
+from protocol.commit.signing import SignedCommitment, leaf_data
 from protocol.errors import EncodingError
-from protocol.jobrun import ClaimSource
-from protocol.signing import SignedCommitment, leaf_data
-from protocol.store import Leaf, atomic_write
+from protocol.job.run import ClaimSource
+from protocol.job.store import Leaf, atomic_write
 
 CACHE_FILE = "trainer-leaves.ovt"
 _LENGTH = struct.Struct(">I")

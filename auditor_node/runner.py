@@ -23,12 +23,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.encoding import decode, encode
+from protocol.codec.canonical import decode, encode
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
-from protocol.jobrun import StepHooks
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import atomic_write
+from protocol.job.run import StepHooks
+from protocol.job.store import atomic_write
 
 from .audit import DIVERGED, FAILED, MATCHED, AuditRecord, run_audit
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import build_server, make_health
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 
 from .faults import AuditorFaults, Fault
 from .runner import AuditRunner

@@ -31,13 +31,13 @@ from arbiter.parties import RemoteParty
 from auditor_node.audit import own_claim
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.challenge import Challenge
-from protocol.jobrun import StoreSource, replay_job, run_job
-from protocol.jobspec import build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.commit.signing import KeyPair
+from protocol.dispute.challenge import Challenge
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import StoreSource, replay_job, run_job
+from protocol.job.spec import build_job
+from protocol.job.store import JobStore
 from trainer_node.faults import TrainerFaults, parse_fault
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

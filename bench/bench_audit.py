@@ -23,12 +23,12 @@ import torch
 from auditor_node.audit import run_audit
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.jobrun import run_job
-from protocol.jobspec import build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.commit.signing import KeyPair
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import run_job
+from protocol.job.spec import build_job
+from protocol.job.store import JobStore
 
 
 def main() -> None:

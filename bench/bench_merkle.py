@@ -1,4 +1,5 @@
-"""What Merkle commitments cost (protocol.merkle): building a tree, serving and checking proofs.
+"""What Merkle commitments cost (protocol.commit.merkle): building a
+tree, serving and checking proofs.
 
 Builds a `MerkleTree` over `--leaves` leaf hashes (default 1e5, about the leaf count of a long
 training job), then for `--samples` random leaf indices times `MerkleTree.proof` (what a node
@@ -19,7 +20,7 @@ import random
 import statistics
 import time
 
-from protocol.merkle import MerkleTree, inclusion_proof, leaf_hash, verify_inclusion
+from protocol.commit.merkle import MerkleTree, inclusion_proof, leaf_hash, verify_inclusion
 
 
 def _percentile(values: list[float], fraction: float) -> float:

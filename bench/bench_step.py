@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.executor import Executor
-from protocol.logcodec import encode_log, size_report
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.programs.registry import BUILTIN, load_program
-from protocol.state import state_digest
+from protocol.codec.roundinglog import encode_log, size_report
+from protocol.codec.state import state_digest
+from protocol.engine.executor import Executor
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.engine.programs.registry import BUILTIN, load_program
 
 ROLES = ("plain32", "plain64", "record", "replay")
 MODE_OF = {"plain32": "plain", "plain64": "plain64", "record": "ovt", "replay": "ovt"}

@@ -17,16 +17,16 @@ import time
 
 import torch
 
-from protocol.executor import Executor
-from protocol.jobspec import build_job
-from protocol.logcodec import encode_log, log_digest
-from protocol.merkle import leaf_hash
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.programs.registry import BUILTIN
-from protocol.signing import leaf_data
-from protocol.state import state_digest
-from protocol.store import JobStore
+from protocol.codec.roundinglog import encode_log, log_digest
+from protocol.codec.state import state_digest
+from protocol.commit.merkle import leaf_hash
+from protocol.commit.signing import leaf_data
+from protocol.engine.executor import Executor
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.engine.programs.registry import BUILTIN
+from protocol.job.spec import build_job
+from protocol.job.store import JobStore
 
 
 def _timed(fn):

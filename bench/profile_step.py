@@ -17,10 +17,10 @@ import pstats
 
 import torch
 
-from protocol.executor import Executor
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.programs.registry import BUILTIN, load_program
+from protocol.engine.executor import Executor
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.engine.programs.registry import BUILTIN, load_program
 
 
 def main() -> None:

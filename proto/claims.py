@@ -5,7 +5,7 @@ commitments, leaves with inclusion proofs, rounding logs, checkpoints streamed i
 chunks, and batches with data proofs. Input is validated at this edge and every failure maps to
 a gRPC status with a one-line message; no stack trace reaches the peer.
 
-`RemoteClaims` is a `protocol.jobrun.ClaimSource` over a channel: everything it returns has been
+`RemoteClaims` is a `protocol.job.run.ClaimSource` over a channel: everything it returns has been
 checked (leaves against the peer's signed root, logs against the leaves, S_0 against h_0), and
 every failure of the peer is a `PeerError` naming the call.
 """
@@ -21,16 +21,16 @@ import grpc
 import safetensors
 import safetensors.torch
 
-from protocol.batches import batch_indices
-from protocol.datacommit import commit_dataset
+from protocol.codec.state import encode_state, state_digest
+from protocol.commit.data import commit_dataset
+from protocol.commit.merkle import MerkleTree, verify_inclusion
+from protocol.commit.signing import SignedCommitment
+from protocol.engine.batches import batch_indices
+from protocol.engine.executor import Executor
+from protocol.engine.profiles import Profile
 from protocol.errors import OvtError, StoreError
-from protocol.executor import Executor
-from protocol.jobspec import JobSpec
-from protocol.merkle import MerkleTree, verify_inclusion
-from protocol.profiles import Profile
-from protocol.signing import SignedCommitment
-from protocol.state import encode_state, state_digest
-from protocol.store import JobStore, Leaf
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore, Leaf
 
 from . import ovt_pb2, ovt_pb2_grpc
 

@@ -16,9 +16,9 @@ import pytest
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from protocol.jobspec import create_job
-from protocol.signing import KeyPair
-from protocol.verdict import verify_verdict
+from protocol.commit.signing import KeyPair
+from protocol.dispute.verdict import verify_verdict
+from protocol.job.spec import create_job
 from tests.auditor_node.daemon import Auditors, watch_audit
 from tests.trainer_node.daemon import Trainers, watch_until
 

@@ -15,9 +15,9 @@ import pytest
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from protocol.jobspec import build_job
-from protocol.precision import PrecisionPolicy
-from protocol.signing import KeyPair, SignedCommitment
+from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.engine.precision import PrecisionPolicy
+from protocol.job.spec import build_job
 from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
 
 pytestmark = pytest.mark.network

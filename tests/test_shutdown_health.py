@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from auditor_node.server import AuditorNode
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 from trainer_node.server import TrainerConfig, TrainerNode
 
 pytestmark = pytest.mark.network

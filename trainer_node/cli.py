@@ -28,11 +28,11 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError
 from proto.serving import make_channel, make_self_signed_cert
-from protocol.commands import run_command
+from protocol.cli.commands import run_command
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import atomic_write
+from protocol.job.store import atomic_write
 
 from .client import submit_job
 from .faults import KINDS as FAULT_KINDS

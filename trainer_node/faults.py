@@ -4,7 +4,7 @@ Nothing here runs unless `ovt-trainer serve --inject-fault KIND:STEP` (or a test
 an honest trainer never builds a `TrainerFaults`. Each fault is one of the threats of SPEC §6,
 made real at one step k so that an auditor's replay, and then the arbiter, must catch it there:
 
-training faults (applied through `protocol.jobrun.StepHooks` while the job trains):
+training faults (applied through `protocol.job.run.StepHooks` while the job trains):
     relabel:k          step k trains on B_k with example 0's target changed
     swap-examples:k    step k trains on B_k with example 0 replaced by an example not in B_k
     skip-step:k        step k does not train: S_k is S_{k-1} with its step counter set to k,
@@ -36,11 +36,11 @@ import numpy as np
 import torch
 
 from proto import ovt_pb2
-from protocol.batches import batch_indices
+from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_log
+from protocol.engine.batches import batch_indices
+from protocol.engine.executor import Executor
 from protocol.errors import ConfigError
-from protocol.executor import Executor
-from protocol.jobrun import StepHooks
-from protocol.logcodec import RoundingLog, SiteLog, decode_log, encode_log
+from protocol.job.run import StepHooks
 
 TRAINING_KINDS = ("relabel", "swap-examples", "skip-step", "lr", "swap-checkpoint",
                   "log-flip", "log-invent", "log-drop")

@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from proto.claims import StoreDirectory
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 from protocol.errors import OvtError
-from protocol.jobrun import StepHooks, run_job
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.job.run import StepHooks, run_job
+from protocol.job.store import JobStore
 
 QUEUED, RUNNING, DONE, FAILED = "queued", "running", "done", "failed"
 MAX_QUEUED = 64  # jobs waiting to train; Submit beyond it is RESOURCE_EXHAUSTED

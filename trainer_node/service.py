@@ -27,11 +27,11 @@ import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError, join_chunks
+from protocol.codec.state import state_digest
+from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, OvtError, ProgramError, StoreError
-from protocol.jobspec import JobSpec
-from protocol.programs.registry import require_allowed
-from protocol.state import state_digest
-from protocol.store import JobStore
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore
 
 from .runner import MAX_QUEUED, JobRunner, JobStatus, QueueFullError
 

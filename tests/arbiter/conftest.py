@@ -16,13 +16,13 @@ import pytest
 from arbiter.adjudicate import adjudicate
 from arbiter.parties import StoreParty
 from auditor_node.audit import own_claim
-from protocol.challenge import Challenge
-from protocol.jobrun import StoreSource, replay_job, run_job
-from protocol.jobspec import JobSpec, build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.commit.signing import KeyPair
+from protocol.dispute.challenge import Challenge
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import StoreSource, replay_job, run_job
+from protocol.job.spec import JobSpec, build_job
+from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 8

@@ -13,11 +13,11 @@ from arbiter.adjudicate import ArbiterError
 from arbiter.parties import NoAnswer, StoreParty
 from auditor_node.audit import own_claim
 from auditor_node.faults import AuditorFaults
-from protocol.challenge import Challenge
+from protocol.commit.merkle import MerkleTree
+from protocol.commit.signing import Claim, Commitment, KeyPair, sign_commitment
+from protocol.dispute.challenge import Challenge
 from protocol.errors import ConfigError
-from protocol.merkle import MerkleTree
-from protocol.signing import Claim, Commitment, KeyPair, sign_commitment
-from protocol.store import Leaf
+from protocol.job.store import Leaf
 from trainer_node.faults import TrainerFaults, parse_fault
 
 from .conftest import STEPS, audit, settle, train

@@ -15,8 +15,8 @@ import random
 import pytest
 
 from auditor_node.faults import AuditorFaults
-from protocol.profiles import Profile
-from protocol.verdict import verify_verdict
+from protocol.dispute.verdict import verify_verdict
+from protocol.engine.profiles import Profile
 from trainer_node.faults import TrainerFaults, parse_fault
 
 from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train

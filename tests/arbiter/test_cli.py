@@ -13,7 +13,7 @@ import pytest
 from arbiter.cli import main
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.verdict import verify_verdict
+from protocol.dispute.verdict import verify_verdict
 from trainer_node.faults import TrainerFaults, parse_fault
 
 from .conftest import audit, tiny_job, train

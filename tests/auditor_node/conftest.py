@@ -15,12 +15,12 @@ import pytest
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.jobrun import run_job
-from protocol.jobspec import JobSpec, build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import Commitment, KeyPair, SignedCommitment, sign_commitment
-from protocol.store import JobStore, Leaf
+from protocol.commit.signing import Commitment, KeyPair, SignedCommitment, sign_commitment
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import run_job
+from protocol.job.spec import JobSpec, build_job
+from protocol.job.store import JobStore, Leaf
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 20

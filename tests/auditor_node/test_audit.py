@@ -16,10 +16,10 @@ from auditor_node.leafcache import CACHE_FILE
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, StoreDirectory
 from proto.serving import build_server, make_self_signed_cert
-from protocol.challenge import Challenge
+from protocol.commit.signing import KeyPair
+from protocol.dispute.challenge import Challenge
 from protocol.errors import EncodingError, OvtError
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.job.store import JobStore
 
 from .conftest import AUDITOR_PROFILE, FALSIFIED_STEP, STEPS, Counting, serve_claims
 

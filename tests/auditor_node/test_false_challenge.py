@@ -13,10 +13,10 @@ from auditor_node.cli import main
 from auditor_node.faults import AuditorFaults, parse_auditor_fault
 from auditor_node.runner import AuditRunner
 from auditor_node.server import AuditorNode
-from protocol.challenge import Challenge
+from protocol.commit.signing import KeyPair
+from protocol.dispute.challenge import Challenge
 from protocol.errors import ConfigError
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.job.store import JobStore
 from trainer_node.faults import Fault
 
 from .conftest import AUDITOR_PROFILE

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 from auditor_node.leafcache import CACHE_FILE, CachedClaims, LeafCache
-from protocol.signing import Commitment, KeyPair, sign_commitment
-from protocol.store import Leaf
+from protocol.commit.signing import Commitment, KeyPair, sign_commitment
+from protocol.job.store import Leaf
 
 KEY = KeyPair.generate()
 

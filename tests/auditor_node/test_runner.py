@@ -12,8 +12,8 @@ from auditor_node.audit import AuditRecord
 from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
 from auditor_node.service import report
 from proto.claims import PeerError
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
+from protocol.commit.signing import KeyPair
+from protocol.engine.profiles import Profile
 
 JOB = bytes(range(32))
 OTHER = bytes(32)

@@ -11,15 +11,15 @@ import pytest
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, RemoteClaims, StoreDirectory, join_chunks
-from protocol.batches import batch_indices
-from protocol.datacommit import ProvenExample, verify_examples
-from protocol.jobrun import replay_job, run_job
-from protocol.jobspec import build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.state import decode_state
-from protocol.store import JobStore, Leaf
+from protocol.codec.state import decode_state
+from protocol.commit.data import ProvenExample, verify_examples
+from protocol.commit.signing import KeyPair
+from protocol.engine.batches import batch_indices
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import replay_job, run_job
+from protocol.job.spec import build_job
+from protocol.job.store import JobStore, Leaf
 
 pytestmark = pytest.mark.network
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

@@ -17,12 +17,12 @@ import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.serving import make_channel
-from protocol.jobrun import run_job
-from protocol.jobspec import JobSpec, build_job
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import KeyPair
-from protocol.store import JobStore
+from protocol.commit.signing import KeyPair
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.job.run import run_job
+from protocol.job.spec import JobSpec, build_job
+from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 40

@@ -14,9 +14,9 @@ import safetensors.torch
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
 from proto.serving import make_self_signed_cert
-from protocol.signing import KeyPair, SignedCommitment
-from protocol.state import state_digest
-from protocol.store import JobStore
+from protocol.codec.state import state_digest
+from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.job.store import JobStore
 
 from .daemon import STEPS, channel_to, submit, watch_until
 

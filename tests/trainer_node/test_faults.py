@@ -17,15 +17,15 @@ import safetensors.torch
 from auditor_node.audit import MATCHED, run_audit, trainer_claim
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory
+from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
+from protocol.commit.signing import Claim, KeyPair, SignedCommitment
+from protocol.engine.executor import Executor
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, ProofError
-from protocol.executor import Executor
-from protocol.jobrun import StepHooks, StoreSource, replay_job, run_job
-from protocol.jobspec import JobSpec, build_job
-from protocol.logcodec import EMPTY_LOG_DIGEST
-from protocol.precision import PrecisionPolicy
-from protocol.profiles import Profile
-from protocol.signing import Claim, KeyPair, SignedCommitment
-from protocol.store import JobStore
+from protocol.job.run import StepHooks, StoreSource, replay_job, run_job
+from protocol.job.spec import JobSpec, build_job
+from protocol.job.store import JobStore
 from tests.auditor_node.conftest import serve_claims
 from trainer_node.cli import main
 from trainer_node.faults import (

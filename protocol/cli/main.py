@@ -1,0 +1,229 @@
+"""The `ovt` command line.
+
+Exit codes: 0 success (for replay-check: bit-exact), 1 the check ran and the replay was not
+bit-exact, 2 a usage or input error (explained in one line, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from protocol.cli import job as jobcli
+from protocol.cli.commands import run_command
+from protocol.engine import profiles
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.programs.registry import BUILTIN, load_program
+from protocol.engine.replaycheck import CheckResult, SideSpec, replay_check
+from protocol.errors import ConfigError, OvtError
+
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE = 0, 1, 2
+
+_REPLAY_CHECK_HELP = """\
+Train N steps under the trainer's hardware profile, replay them under the auditor's profile,
+and compare the state hash h_t after every step.
+
+In --mode ovt (default) every floating-point op is computed in the policy's compute dtype and
+rounded to the target dtype; the trainer records the rounding decisions near a boundary and the
+auditor replays with them, so the two agree bit for bit. In --mode plain both train in ordinary
+float32, which shows what hardware nondeterminism does without ovt.
+
+Profiles (presets): cpu-1t, cpu-2t, channels-last, isa-default, emulated-gpu, cuda; or
+key=value pairs, e.g. 'threads=1,splitk=7', 'device=cuda', 'isa=default,threads=2'.
+
+The report lists per-step hash equality, the first divergent step, log sizes, timings and, for
+the probed steps, the largest divergence per op class in target ULPs next to tau.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USAGE
+    return run_command("ovt", args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ovt", description="Optimistic verifiable training: bit-exact replay of PyTorch "
+                                "training across hardware.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    rc = sub.add_parser("replay-check", help="train under one profile, replay under another",
+                        description=_REPLAY_CHECK_HELP,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    rc.add_argument("--program", default="char-transformer",
+                    help=f"built-in ({', '.join(BUILTIN)}), package.module:function or "
+                         f"path/to/file.py:function (default: %(default)s)")
+    rc.add_argument("--preset", default="test",
+                    help="size preset of a built-in program: test or bench (default: %(default)s)")
+    rc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one program config field (value parsed as JSON if it can be)")
+    rc.add_argument("--steps", type=int, default=50, help="training steps (default: %(default)s)")
+    rc.add_argument("--trainer-profile", default="cpu-2t", help="default: %(default)s")
+    rc.add_argument("--auditor-profile", default="emulated-gpu", help="default: %(default)s")
+    rc.add_argument("--mode", choices=("ovt", "plain"), default="ovt",
+                    help="ovt: rounded training with logs; plain: ordinary float32 (default: ovt)")
+    rc.add_argument("--policy", default="float64->float32",
+                    help="compute->target dtypes: float64->float32 or float32->bfloat16")
+    rc.add_argument("--tau", type=float, default=None,
+                    help="logging band half-width in target ULPs (default: the policy's)")
+    rc.add_argument("--seed", type=int, default=0, help="job seed: data order, dropout")
+    rc.add_argument("--init-seed", type=int, default=1, help="seed of the initial state S_0")
+    rc.add_argument("--probe-steps", default="1",
+                    help="comma list of steps whose per-op divergence is measured, or 'none'")
+    rc.add_argument("--run-dir", type=Path, default=None,
+                    help="keep S_0, logs and per-side results here (default: a temp dir)")
+    rc.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    rc.set_defaults(run=_replay_check)
+    jobcli.add_commands(sub)
+    return parser
+
+
+def _replay_check(args) -> int:
+    if args.steps < 1:
+        raise ConfigError("--steps must be at least 1")
+    policy = PrecisionPolicy.parse(args.policy, args.tau)
+    trainer_profile = profiles.Profile.parse(args.trainer_profile)
+    auditor_profile = profiles.Profile.parse(args.auditor_profile)
+    probe = _probe_steps(args.probe_steps, args.steps)
+    config = dict(_config_item(item) for item in args.set)
+    load_program(args.program, config, args.preset)  # bad program or config: fail before running
+    with tempfile.TemporaryDirectory(prefix="ovt-replay-check-") as tmp:
+        run_dir = str(args.run_dir or tmp)
+        common = dict(program=args.program, preset=args.preset, config=config, seed=args.seed,
+                      init_seed=args.init_seed, steps=args.steps, policy=args.policy,
+                      tau=args.tau, mode=args.mode, probe_steps=probe, run_dir=run_dir)
+        trainer = SideSpec(role="trainer", profile=args.trainer_profile, **common)
+        auditor = SideSpec(role="auditor", profile=args.auditor_profile, **common)
+        result = replay_check(trainer, auditor, None if args.json else _Progress(args.steps))
+    if args.json:
+        print(json.dumps(_json_report(args, policy, trainer_profile, auditor_profile, result),
+                         indent=2))
+    else:
+        _print_report(args, policy, trainer_profile, auditor_profile, result)
+    if result.trainer.error:
+        raise OvtError(f"trainer failed: {result.trainer.error}")
+    return EXIT_OK if result.bit_exact else EXIT_DIVERGED
+
+
+def _probe_steps(text: str, steps: int) -> tuple[int, ...]:
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        chosen = tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        raise ConfigError(f"--probe-steps must be a comma list of step numbers, got {text!r}") \
+            from None
+    if any(not 1 <= s <= steps for s in chosen):
+        raise ConfigError(f"--probe-steps must lie in 1..{steps}")
+    return chosen
+
+
+def _config_item(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.enabled = steps, sys.stderr.isatty()
+
+    def __call__(self, phase: str, step: int) -> None:
+        if not self.enabled:
+            return
+        done = int(30 * step / self.steps)
+        end = "\n" if step == self.steps else ""
+        print(f"\r{phase:6s} [{'#' * done}{'.' * (30 - done)}] {step}/{self.steps}", end=end,
+              file=sys.stderr, flush=True)
+
+
+def _json_report(args, policy, tp, ap, result: CheckResult) -> dict:
+    t, a = result.trainer, result.auditor
+    steps = []
+    for k in range(1, len(t.hashes)):
+        steps.append({
+            "step": k, "trainer_hash": t.hashes[k],
+            "auditor_hash": a.hashes[k] if k < len(a.hashes) else None,
+            "equal": k < len(a.hashes) and a.hashes[k] == t.hashes[k],
+            "loss": t.losses[k - 1], "trainer_s": t.seconds[k - 1],
+            "auditor_s": a.seconds[k - 1] if k - 1 < len(a.seconds) else None,
+            "log_bytes": t.log_bytes[k - 1] if t.log_bytes else None,
+            "log_entries": t.entries[k - 1] if t.entries else None,
+            "rounded_elements": t.elements[k - 1] if t.elements else None,
+        })
+    return {
+        "program": args.program, "preset": args.preset, "mode": args.mode,
+        "policy": policy.name, "tau": policy.tau, "tau_ieee": policy.tau_ieee,
+        "trainer_profile": {"name": tp.name, "describe": tp.describe()},
+        "auditor_profile": {"name": ap.name, "describe": ap.describe()},
+        "initial_hash": t.hashes[0] if t.hashes else None,
+        **result.summary(), "steps": steps, "divergence": a.divergence,
+    }
+
+
+def _print_report(args, policy, tp, ap, result: CheckResult) -> None:
+    t, a = result.trainer, result.auditor
+    print(f"ovt replay-check: {args.program} (preset {args.preset}), {args.steps} steps, "
+          f"mode {args.mode}")
+    if args.mode == "ovt":
+        print(f"  policy {policy.name}, tau {policy.tau:g} target ULP "
+              f"(ieee ops {policy.tau_ieee:g})")
+    print(f"  trainer profile {tp.name} ({tp.describe()}); auditor profile {ap.name} "
+          f"({ap.describe()})")
+    print(f"  {'step':>5} {'trainer h_t':16} {'auditor h_t':16} {'equal':5} {'log B':>7} "
+          f"{'entries':>8} {'train ms':>8} {'replay ms':>9}")
+    for k in range(1, len(t.hashes)):
+        ah = a.hashes[k] if k < len(a.hashes) else "-"
+        equal = "yes" if ah == t.hashes[k] else "NO"
+        log_b = t.log_bytes[k - 1] if t.log_bytes else "-"
+        entries = t.entries[k - 1] if t.entries else "-"
+        replay_ms = f"{a.seconds[k - 1] * 1e3:.1f}" if k - 1 < len(a.seconds) else "-"
+        print(f"  {k:>5} {t.hashes[k][:16]} {ah[:16]:16} {equal:5} {log_b:>7} {entries:>8} "
+              f"{t.seconds[k - 1] * 1e3:>8.1f} {replay_ms:>9}")
+    _print_summary(args, policy, result)
+
+
+def _print_summary(args, policy, result: CheckResult) -> None:
+    t, a, s = result.trainer, result.auditor, result.summary()
+    if result.bit_exact:
+        print(f"result: BIT-EXACT — all {result.steps} state hashes equal")
+    else:
+        print(f"result: NOT bit-exact — first divergent step: {s['first_divergent_step']}")
+    for who, err in (("trainer", t.error), ("auditor", a.error)):
+        if err:
+            print(f"  {who} stopped: {err}")
+    if t.log_bytes:
+        elements = s["elements_per_step"]
+        dense = elements / 5  # ternary digits packed 5 per byte: 1.6 bits per element
+        print(f"log: median {s['median_log_bytes']:.0f} B/step, {s['median_entries']:.0f} "
+              f"entries of {elements} rounded elements "
+              f"({100 * s['median_entries'] / elements:.3f}%); dense ternary would be "
+              f"{dense:.0f} B: ratio {s['median_log_bytes'] / dense:.4f}")
+    if t.seconds and a.seconds:
+        print(f"time: median step {1e3 * s['median_trainer_step_s']:.1f} ms trainer, "
+              f"{1e3 * s['median_auditor_step_s']:.1f} ms auditor")
+    if a.divergence:
+        print(f"divergence between the profiles, per op (probed steps {args.probe_steps}), "
+              f"in target ULPs:")
+        rows = sorted(a.divergence.items(), key=lambda kv: -kv[1]["max_ulps"])
+        for op, d in rows:
+            tau = policy.tau_for(d["ieee"])
+            margin = f"{tau / d['max_ulps']:.1f}x" if d["max_ulps"] > 0 else "-"
+            print(f"  {op:44} {'ieee' if d['ieee'] else 'general':7} max {d['max_ulps']:.3g} "
+                  f"({d['differing']}/{d['elements']} differ) tau {tau:g} margin {margin}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

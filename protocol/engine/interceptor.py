@@ -1,0 +1,228 @@
+"""The step interceptor: every floating-point op of a step, computed wide and rounded (SPEC §3.2).
+
+`RoundingMode` is a `TorchDispatchMode`, so it sits below autograd and sees the forward pass,
+the backward pass and the optimizer update as one stream of aten ops; the user's model and
+optimizer code run unmodified. For each FLOAT op (see `optable`) it:
+
+1. upcasts every target-dtype tensor argument to the compute dtype (exact) and rounds every
+   Python float argument to the target dtype, so the op's inputs are target-representable;
+2. runs the op in the compute dtype (through `compute`, which a profile may replace to re-order
+   accumulation, see `splitk`);
+3. hands all floating results — outputs, then arguments the op wrote to — to the rounder as one
+   site, and returns target-dtype tensors (writing in place where the op was in place).
+
+EXACT ops run untouched on target-dtype tensors; RANDOM ops raise `DeterminismError`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from protocol.engine.optable import OpKind, accumulates, is_ieee_op, mutated_args, op_kind, op_name
+from protocol.engine.precision import PrecisionPolicy
+from protocol.errors import DeterminismError
+
+Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
+
+
+def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    return func(*args, **kwargs)
+
+
+@lru_cache(maxsize=4096)
+def _to_float32(x: float) -> float:
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # struct refuses finite values beyond float32: IEEE says inf
+        return float("inf") if x > 0 else float("-inf")
+
+
+@lru_cache(maxsize=4096)
+def _to_bfloat16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16))
+
+
+_SCALAR_ROUNDERS = {torch.float32: _to_float32, torch.bfloat16: _to_bfloat16}
+
+
+class WidenCache:
+    """Compute-dtype copies of the target tensors already widened during one step.
+
+    The backward pass reads the weights and activations the forward pass read, so widening
+    everything afresh repeats ~45% of all widening traffic. An entry is keyed by the tensor's
+    memory and geometry and checked against its version counter; and since a write through an
+    alias with its own counter (`p.data.mul_(...)`) bumps no counter the entry sees, every write
+    the interceptor executes also drops the entries of the storage written (`forget`). An entry
+    holds its source tensor, so that memory cannot be freed and handed to another tensor while
+    the entry lives. Entries stop being added once `budget_bytes` are held.
+    """
+
+    def __init__(self, compute: torch.dtype, budget_bytes: int = 512 * 2**20) -> None:
+        self.compute, self.budget, self.held = compute, budget_bytes, 0
+        self.entries: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.by_storage: dict[tuple, list[tuple]] = {}
+
+    def widen(self, t: torch.Tensor) -> torch.Tensor:
+        key = (t.data_ptr(), t.shape, t.stride(), t.device)
+        hit = self.entries.get(key)
+        if hit is not None and hit[1] == t._version:
+            return hit[2]
+        wide = t.to(self.compute)
+        size = wide.numel() * wide.element_size()
+        if self.held + size <= self.budget:
+            self.entries[key] = (t, t._version, wide)
+            self.by_storage.setdefault(_storage_key(t), []).append(key)
+            self.held += size
+        return wide
+
+    def forget(self, written) -> None:
+        """Drop every entry over the storage of `written` (a tensor or a list of them)."""
+        for t in written if isinstance(written, (list, tuple)) else (written,):
+            if isinstance(t, torch.Tensor):
+                for key in self.by_storage.pop(_storage_key(t), ()):
+                    entry = self.entries.pop(key, None)
+                    if entry is not None:
+                        self.held -= entry[2].numel() * entry[2].element_size()
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.device)
+
+
+class RoundingMode(TorchDispatchMode):
+    """Computes each FLOAT op in `policy.compute` and rounds its results through `rounder`.
+
+    `rounder` is a `SiteRecorder` (record mode) or `SiteReplayer` (replay mode); anything with
+    `round_site(op_name, [tensors], ieee) -> [tensors]` works (the divergence probe uses that).
+    """
+
+    def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute):
+        super().__init__()
+        self.policy, self.rounder, self.compute = policy, rounder, compute
+        self._round_scalar = _SCALAR_ROUNDERS[policy.target]
+        self._widened = WidenCache(policy.compute)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = op_kind(func)
+        if kind is OpKind.RANDOM:
+            raise DeterminismError(
+                f"{func} draws from a device random number generator inside a training step; "
+                f"steps must use protocol.engine.rng (SPEC §3.4). torch.nn.Dropout is handled for "
+                f"you.")
+        if kind is OpKind.EXACT and not accumulates(func, args, kwargs):
+            name = func.overloadpacket.__name__
+            if name in ("_to_copy", "copy_") and self._narrows(args, kwargs):
+                out = self._narrowing_copy(func, args, kwargs)
+            else:
+                out = func(*args, **kwargs)
+            self._forget_writes(func, args, kwargs)
+            return out
+        return self._float_op(func, args, kwargs)
+
+    def _forget_writes(self, func, args, kwargs) -> None:
+        positions, names = mutated_args(func)
+        for i in positions:
+            if i < len(args):
+                self._widened.forget(args[i])
+        for name in names:
+            if name in kwargs:
+                self._widened.forget(kwargs[name])
+
+    # -- FLOAT ops -----------------------------------------------------------------------------
+
+    def _float_op(self, func, args, kwargs):
+        positions, names = mutated_args(func)
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        found = [False]
+        wide_args = tuple(self._widen(a, i in positions, writes, found) for i, a in enumerate(args))
+        wide_kwargs = {k: self._widen(v, k in names, writes, found) for k, v in kwargs.items()}
+        if kwargs.get("dtype") == self.policy.target:  # a factory asked for the target dtype
+            wide_kwargs["dtype"], found[0] = self.policy.compute, True
+        if not found[0]:
+            return self._no_float_inputs(func, args, kwargs)
+        out = self.compute(func, wide_args, wide_kwargs)
+        return self._round_results(op_name(func), out, writes, is_ieee_op(func, args, kwargs))
+
+    def _no_float_inputs(self, func, args, kwargs):
+        """An op without target-dtype inputs: integer ops pass; one that still makes
+        target-dtype floats (linspace, arange(0, 1, 0.1), int / int) is re-run in the compute
+        dtype, with integer and boolean tensors widened, and rounded as a site (SPEC §3.2)."""
+        out = func(*args, **kwargs)
+        if not any(isinstance(leaf, torch.Tensor) and leaf.dtype == self.policy.target
+                   for leaf in tree_flatten(out)[0]):
+            self._forget_writes(func, args, kwargs)
+            return out
+        compute = self.policy.compute
+        wide_args, wide_kwargs = tree_map(self._widen_exact, (args, kwargs))
+        if "dtype" in {a.name for a in func._schema.arguments}:
+            wide_kwargs["dtype"] = compute
+        return self._round_results(op_name(func), self.compute(func, wide_args, wide_kwargs), [],
+                                   False)
+
+    def _widen_exact(self, value):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() \
+                and not value.is_complex():
+            return value.to(self.policy.compute)
+        return self._round_scalar(value) if isinstance(value, float) else value
+
+    def _widen(self, value, mutable: bool, writes: list, found: list):
+        target = self.policy.target
+        if isinstance(value, torch.Tensor):
+            if value.dtype != target:
+                return value
+            found[0] = True
+            if not mutable:  # the op only reads it: a cached copy serves
+                return self._widened.widen(value)
+            wide = value.to(self.policy.compute)
+            writes.append((value, wide))
+            return wide
+        if isinstance(value, float):
+            return self._round_scalar(value)
+        if isinstance(value, (list, tuple)) and value:
+            return type(value)(self._widen(v, mutable, writes, found) for v in value)
+        return value
+
+    def _round_results(self, op: str, out, writes: list, ieee: bool):
+        write_of = {id(wide): orig for orig, wide in writes}
+        leaves, spec = tree_flatten(out)
+        ys, slots = [], []  # per leaf: index into ys, the written original, or the leaf itself
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and id(leaf) in write_of:
+                slots.append(("orig", write_of[id(leaf)]))
+            elif isinstance(leaf, torch.Tensor) and leaf.dtype == self.policy.compute:
+                slots.append(("y", len(ys)))
+                ys.append(leaf)
+            else:
+                slots.append(("keep", leaf))
+        first_write = len(ys)
+        ys.extend(wide for _, wide in writes)
+        rounded = self.rounder.round_site(op, ys, ieee)
+        for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
+            orig.copy_(r)
+            self._widened.forget(orig)
+        return tree_unflatten([rounded[v] if kind == "y" else v for kind, v in slots], spec)
+
+    # -- conversions into the target dtype -------------------------------------------------------
+
+    def _narrows(self, args, kwargs) -> bool:
+        """True for a conversion from a wider floating dtype into the target dtype."""
+        src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
+        dst_dtype = kwargs.get("dtype", args[0].dtype if len(args) > 1 else None)
+        return (dst_dtype == self.policy.target and src.is_floating_point()
+                and src.dtype != self.policy.target and src.dtype.itemsize > dst_dtype.itemsize)
+
+    def _narrowing_copy(self, func, args, kwargs):
+        """A cast into the target dtype is a rounding like any other: one site (SPEC §3.2)."""
+        src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
+        (r,) = self.rounder.round_site(op_name(func), [src.to(self.policy.compute)])
+        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src)
+            return args[0].copy_(r)
+        # _to_copy: the rest of its request (device, memory format) is an exact copy of r
+        return func(r, **{k: v for k, v in kwargs.items() if k != "dtype"})

@@ -1,0 +1,57 @@
+"""What a training program is: the contract between user code and the step executor.
+
+A program turns a config mapping into a `TrainingProgram`: an unmodified `torch.nn.Module`, a
+factory for a standard `torch.optim` optimizer, a loss function and a dataset of examples. The
+executor owns everything that must be deterministic (rounding, randomness, batch order, state
+hashing); the program only says *what* to train.
+
+Rules a program must follow (SPEC §3.4, §3.5):
+- no device RNG inside `loss` (dropout through `torch.nn.Dropout` / `F.dropout` is fine: the
+  executor replaces it with the portable generator);
+- the model's initial parameters come from `init(model, seed)`, which uses `protocol.engine.rng`
+  only, never torch's default initialisers (their bits depend on the CPU instruction set);
+- examples are CPU tensors; the executor moves batches to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class ExampleSource(Protocol):
+    """A fixed, finite sequence of training examples."""
+
+    def __len__(self) -> int: ...
+
+    def example(self, index: int) -> dict[str, torch.Tensor]:
+        """Example `index` as named CPU tensors (same names and shapes for every index)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TrainingProgram:
+    """Everything the executor needs to run `step(S_{t-1}, B_t)` for one program and config.
+
+    model: float32 module on the CPU; the executor moves it and casts it per the policy.
+    make_optimizer: builds a torch.optim optimizer from `model.named_parameters()` order.
+    loss: `loss(model, batch) -> scalar tensor`; batch maps example field name to a stacked
+        tensor of shape (batch_size, ...).
+    init: `init(model, seed)` sets every parameter and buffer from the portable generator.
+    config: the normalised config (plain JSON-able values) that built this program.
+    """
+
+    name: str
+    model: torch.nn.Module
+    make_optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    dataset: ExampleSource
+    batch_size: int
+    init: Callable[[torch.nn.Module, int], None]
+    config: Mapping[str, Any]
+
+
+ProgramFactory = Callable[[Mapping[str, Any]], TrainingProgram]

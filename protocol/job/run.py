@@ -1,0 +1,213 @@
+"""Running a job (trainer) and replaying it (auditor) into signed commitments (SPEC §4, §5.1).
+
+`run_job` trains a job step by step into the trainer's `JobStore`, resuming after a crash from
+its last stored leaf without changing any leaf, and signs a commitment over the leaves so far
+every `commit_interval` steps and at the end. `replay_job` is the auditor: it takes S_0, the
+trainer's leaves and logs from a `ClaimSource` (a local store here; the daemons' gRPC client
+later), checks each log against the trainer's leaf, replays it on its own hardware profile into
+its own store, and signs its own commitment. It stops at the first step whose state hash
+differs or whose log it must reject: that step is the challenge of SPEC §5.1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log, log_digest
+from protocol.codec.state import state_digest
+from protocol.commit.signing import Commitment, KeyPair, SignedCommitment, sign_commitment
+from protocol.engine.executor import Executor, StepResult
+from protocol.engine.profiles import Profile
+from protocol.errors import LogMismatchError, LogViolationError, StoreError
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore, Leaf
+
+Progress = Callable[[int, int], None]
+
+
+class StepHooks:
+    """Seams around one step of `run_job` / `replay_job`, for fault injection only.
+
+    The base class is honest: it changes nothing, and a job run with it is byte-identical to one
+    run without hooks. Nodes pass a subclass only to make a party cheat on purpose (tests and
+    demos of the dispute game: `trainer_node.faults`, `auditor_node.faults`). Per step t the
+    caller does, in this order: `before(t, ex)`; `ex.step(log, examples=examples(t, B_t))`;
+    `after(t, ex, log_bytes)`, and stores what `after` returns. `after` must leave `ex` holding
+    the state it returns, since step t + 1 starts from the executor.
+    """
+
+    def examples(self, t: int, examples: list[dict[str, torch.Tensor]]
+                 ) -> list[dict[str, torch.Tensor]]:
+        """The examples step t trains on (given: B_t from the program's own dataset)."""
+        return examples
+
+    def before(self, t: int, ex: Executor) -> None:
+        """Called before step t runs; `ex` holds S_{t-1}."""
+
+    def after(self, t: int, ex: Executor, log: bytes) -> tuple[dict[str, torch.Tensor], bytes]:
+        """Called after step t ran; returns (S_t, L_t's bytes) to store. `ex` holds S_t."""
+        return ex.state(), log
+
+
+def _hooked_step(ex: Executor, hooks: StepHooks, t: int,
+                 log: RoundingLog | None) -> StepResult:
+    """Run step t on `ex` through `hooks`: `before`, then the step on `examples`' batch."""
+    hooks.before(t, ex)
+    return ex.step(log, examples=hooks.examples(t, ex.examples(t)))
+
+
+def _executor(spec: JobSpec, profile: Profile) -> Executor:
+    return Executor(spec.program_instance(), seed=spec.seed, policy=spec.policy, profile=profile)
+
+
+def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitment:
+    tree = store.tree(n)
+    commitment = Commitment(job_id=store.spec.job_id, n=n, root=tree.root,
+                            h_n=store.leaf(n).state_hash, public_key=key.public_key, role=role,
+                            time=int(time.time()))
+    signed = sign_commitment(commitment, key)
+    store.save_commitment(signed)
+    return signed
+
+
+def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
+            progress: Progress | None = None, hooks: StepHooks | None = None
+            ) -> SignedCommitment:
+    """Train the store's job to its last step (resuming where the store stops) and sign.
+
+    `hooks` (fault injection only, see `StepHooks`) may alter each step and what is stored.
+    """
+    spec = store.spec
+    last = store.last_step()
+    if last < 0:
+        raise StoreError("the job store holds no initial state; store S_0 first (put_initial)")
+    ex = _executor(spec, profile)
+    store.state_at(last, ex)
+    for t in range(last + 1, spec.steps + 1):
+        if hooks is None:
+            result = ex.step()
+            store.append_step(t, ex.state(), encode_log(result.log))
+        else:
+            result = _hooked_step(ex, hooks, t, None)
+            store.append_step(t, *hooks.after(t, ex, encode_log(result.log)))
+        if t % spec.commit_interval == 0 and t != spec.steps:
+            _commit(store, key, "trainer", t)
+        if progress:
+            progress(t, spec.steps)
+    return store.commitment(spec.steps) or _commit(store, key, "trainer", spec.steps)
+
+
+class ClaimSource(Protocol):
+    """What an auditor reads from a trainer (SPEC §2: states, leaves, logs, commitments)."""
+
+    def initial_state(self) -> dict[str, torch.Tensor]: ...
+
+    def leaf(self, step: int) -> Leaf: ...
+
+    def log_bytes(self, step: int) -> bytes: ...
+
+    def commitment(self) -> SignedCommitment: ...
+
+
+class StoreSource:
+    """A ClaimSource over a trainer's local store (tests, and a node reading its own disk)."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def initial_state(self):
+        state = self.store.checkpoint(0)
+        if state is None:
+            raise StoreError("the trainer's store has no intact S_0")
+        return state
+
+    def leaf(self, step: int) -> Leaf:
+        return self.store.leaf(step)
+
+    def log_bytes(self, step: int) -> bytes:
+        return self.store.log_bytes(step)
+
+    def commitment(self) -> SignedCommitment:
+        signed = self.store.commitment(self.store.spec.steps)
+        if signed is None:
+            raise StoreError("the trainer has not committed to the whole job yet")
+        return signed
+
+
+@dataclass(frozen=True)
+class AuditOutcome:
+    """The auditor's verdict on its own replay."""
+
+    commitment: SignedCommitment  # the auditor's, over the leaves it replayed
+    trainer_commitment: SignedCommitment
+    first_divergent_step: int | None  # None: every leaf matched
+    reason: str | None
+
+    @property
+    def matches(self) -> bool:
+        return self.first_divergent_step is None and \
+            self.commitment.commitment.root == self.trainer_commitment.commitment.root
+
+
+def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: Profile,
+               progress: Progress | None = None, hooks: StepHooks | None = None
+               ) -> AuditOutcome:
+    """Replay the trainer's job on this profile into the auditor's own store, and sign.
+
+    `hooks` (fault injection only, see `StepHooks`) may alter each replayed step and what the
+    auditor stores.
+    """
+    spec = store.spec
+    trainer = source.commitment()
+    trainer.verify(job_id=spec.job_id, role="trainer", n=spec.steps)
+    if store.last_step() < 0:
+        state0 = source.initial_state()
+        if state_digest(state0) != spec.h0:
+            raise StoreError("the trainer's S_0 does not hash to the job's h_0")
+        store.put_initial(state0)
+    last = store.last_step()
+    ex = _executor(spec, profile)
+    store.state_at(last, ex)
+    divergent, reason = _first_mismatch(store, source, last)
+    t = last
+    while divergent is None and t < spec.steps:
+        t += 1
+        divergent, reason = _replay_step(store, source, ex, t, hooks)
+        if progress:
+            progress(t, spec.steps)
+    n = store.last_step()
+    signed = store.commitment(n) or _commit(store, key, "auditor", n)
+    return AuditOutcome(signed, trainer, divergent, reason)
+
+
+def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
+    """After a restart: the first already-replayed step that disagrees with the trainer."""
+    for leaf in store.leaves()[: upto + 1]:
+        if leaf.state_hash != source.leaf(leaf.step).state_hash:
+            return leaf.step, "state hash differs from the trainer's"
+    return None, None
+
+
+def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int,
+                 hooks: StepHooks | None = None):
+    claimed = source.leaf(t)
+    data = source.log_bytes(t)
+    if log_digest(data) != claimed.log_hash:
+        return t, "the trainer served a rounding log that does not match its own leaf"
+    try:
+        if hooks is None:
+            ex.step(decode_log(data))
+        else:
+            _hooked_step(ex, hooks, t, decode_log(data))
+    except (LogViolationError, LogMismatchError) as err:
+        return t, f"the trainer's rounding log is invalid: {err}"
+    state, data = (ex.state(), data) if hooks is None else hooks.after(t, ex, data)
+    leaf = store.append_step(t, state, data)
+    if leaf.state_hash != claimed.state_hash:
+        return t, "state hash differs from the trainer's"
+    return None, None

@@ -1,0 +1,215 @@
+"""protocol.engine.executor: portable dropout, state round trips, replay on another policy/profile.
+
+The built-in programs run with reduced configs (a few thousand parameters) so that the whole file
+stays within a few seconds; the full-size replay checks live in test_replay_exact.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from protocol.codec.state import state_digest, states_equal
+from protocol.engine.executor import Executor, PortableDropout, pinned_backends
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import PRESETS
+from protocol.engine.programs.registry import load_program
+from protocol.errors import ConfigError, DeterminismError
+
+SMALL = {
+    "image-cnn": {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64},
+    "char-transformer": {"d_model": 16, "n_heads": 2, "n_layers": 1, "seq_len": 8,
+                         "batch_size": 4, "corpus_chars": 2000},
+}
+F64_F32 = PrecisionPolicy()
+F32_BF16 = PrecisionPolicy(torch.float32, torch.bfloat16)
+
+
+def executor(name: str, profile: str = "cpu-2t", policy: PrecisionPolicy = F64_F32,
+             mode: str = "ovt", seed: int = 0) -> Executor:
+    return Executor(load_program(name, SMALL[name]), seed=seed, policy=policy,
+                    profile=PRESETS[profile], mode=mode)
+
+
+# -- portable dropout ---------------------------------------------------------------------------
+
+
+def _masks(seed: int, step: int, threads: int, calls: int = 2) -> list[torch.Tensor]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        drop = nn.Dropout(0.25)
+        with PortableDropout(seed, step):
+            return [drop(torch.ones(64, 33)) for _ in range(calls)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dropout_masks_are_portable():
+    one = _masks(3, 2, threads=1)
+    two = _masks(3, 2, threads=2)
+    again = _masks(3, 2, threads=1)
+    for a, b, c in zip(one, two, again, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(one[0], one[1])  # each call draws its own mask
+    assert not torch.equal(one[0], _masks(3, 3, threads=1)[0])  # another step
+    assert not torch.equal(one[0], _masks(4, 2, threads=1)[0])  # another seed
+    kept = one[0] != 0
+    assert 0.65 < kept.float().mean().item() < 0.85
+    assert torch.equal(one[0][kept], torch.full((int(kept.sum()),), 1.0) * (1.0 / 0.75))
+
+
+def test_dropout_edge_cases():
+    x = torch.randn(10, 10)
+    with PortableDropout(0, 1):
+        assert F.dropout(x, 0.5, training=False) is x
+        assert F.dropout(x, 0.0) is x
+        assert torch.equal(F.dropout(x, 1.0), torch.zeros_like(x))
+        y = x.clone()
+        out = F.dropout(y, 0.5, inplace=True)
+        assert out is y and (y == 0).any() and not torch.equal(y, x)
+        with pytest.raises(ConfigError, match="dropout probability"):
+            F.dropout(x, 1.5)
+
+
+@pytest.mark.parametrize("call", [lambda x: F.dropout2d(x, 0.5), lambda x: F.dropout1d(x, 0.5),
+                                  lambda x: F.alpha_dropout(x, 0.5, training=True),
+                                  lambda x: torch.bernoulli(x.sigmoid())],
+                         ids=["dropout2d", "dropout1d", "alpha_dropout", "bernoulli"])
+def test_unsupported_dropout_raises(call):
+    with pytest.raises(DeterminismError), PortableDropout(0, 1):
+        call(torch.randn(2, 3, 4))
+
+
+# -- state round trips --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_state_round_trip_includes_optimizer_state(name):
+    a = executor(name)
+    a.init_state(1)
+    for _ in range(2):
+        a.step()
+    state = a.state()
+    assert int(state["step"]) == 2
+    optim_keys = {k.rpartition(".")[2] for k in state if k.startswith("optim.")}
+    assert optim_keys == ({"momentum_buffer"} if name == "image-cnn" else
+                          {"exp_avg", "exp_avg_sq", "step"})
+
+    b = executor(name)
+    b.load_state(state)
+    assert state_digest(b.state()) == state_digest(state)
+    assert states_equal(b.state(), state)
+    # the next step from the loaded state is the same step
+    la, lb = a.step(), b.step()
+    assert la.loss == lb.loss
+    assert state_digest(a.state()) == state_digest(b.state())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SMALL))
+def test_state_round_trip_with_the_default_config(name):
+    """The same round trip at the programs' default ("test" preset) sizes."""
+    a = Executor(load_program(name), seed=0, policy=F64_F32, profile=PRESETS["cpu-2t"])
+    a.init_state(1)
+    for _ in range(2):
+        a.step()
+    state = a.state()
+    assert any(k.startswith("optim.") for k in state)
+    b = Executor(load_program(name), seed=0, policy=F64_F32, profile=PRESETS["cpu-2t"])
+    b.load_state(state)
+    assert state_digest(b.state()) == state_digest(state)
+    assert states_equal(b.state(), state)
+
+
+def test_state_is_a_detached_copy():
+    ex = executor("image-cnn")
+    ex.init_state(1)
+    state = ex.state()
+    digest = state_digest(state)
+    ex.step()
+    assert state_digest(state) == digest != state_digest(ex.state())
+
+
+def test_load_state_of_another_program():
+    cnn, lm = executor("image-cnn"), executor("char-transformer")
+    lm.init_state(1)
+    with pytest.raises(ConfigError, match="does not fit the program's model"):
+        cnn.load_state(lm.state())
+
+
+def test_load_state_with_stray_optimizer_entry():
+    ex = executor("image-cnn")
+    ex.init_state(1)
+    state = ex.state()
+    state["optim.no.such.param.momentum_buffer"] = torch.zeros(3)
+    with pytest.raises(ConfigError, match="names no parameter"):
+        ex.load_state(state)
+
+
+def test_init_state_resets_the_optimizer():
+    ex = executor("image-cnn")
+    ex.init_state(1)
+    s0 = ex.state()
+    ex.step()
+    ex.init_state(1)
+    assert states_equal(ex.state(), s0)
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+
+def test_bf16_replay_between_profiles():
+    """float32 -> bfloat16 (SPEC §3.1): trainer on cpu-2t, auditor on emulated-gpu, 5 steps."""
+    policy = F32_BF16
+    trainer = executor("image-cnn", "cpu-2t", policy)
+    trainer.init_state(1)
+    auditor = executor("image-cnn", "emulated-gpu", policy)
+    auditor.load_state(trainer.state())
+    assert all(t.dtype == policy.target for t in trainer.state().values()
+               if t.is_floating_point())
+    entries = 0
+    for t in range(1, 6):
+        recorded = trainer.step()
+        replayed = auditor.step(recorded.log)
+        assert recorded.step == replayed.step == t and replayed.log is None
+        assert state_digest(trainer.state()) == state_digest(auditor.state()), f"step {t}"
+        entries += recorded.log.n_entries
+    assert entries > 0
+
+
+def test_plain_modes():
+    plain = executor("image-cnn", mode="plain")
+    plain.init_state(1)
+    assert plain.step().log is None
+    wide = executor("image-cnn", mode="plain64")
+    wide.init_state(1)
+    for _ in range(2):
+        result = wide.step()
+        assert result.log is None and math.isfinite(result.loss)
+    floats = [t for t in wide.state().values() if t.is_floating_point()]
+    assert floats and all(t.dtype == torch.float64 for t in floats)
+    assert int(wide.state()["step"]) == 2
+
+
+def test_unknown_mode():
+    with pytest.raises(ConfigError, match="unknown mode 'fast'"):
+        executor("image-cnn", mode="fast")
+
+
+def test_pinned_backends_restores_the_switches():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        with pinned_backends():
+            assert matmul.allow_tf32 is False
+            assert torch.backends.cudnn.enabled is False
+        assert matmul.allow_tf32 is True
+        assert torch.backends.cudnn.enabled is True
+    finally:
+        matmul.allow_tf32 = saved
