@@ -31,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.commit.commitments import SignedCommitment
 from protocol.commit.data import ProvenExample
-from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.commit.keys import KeyPair
 from protocol.dispute import game
 from protocol.dispute.challenge import Challenge
 from protocol.dispute.game import AUDITOR, TRAINER, Dispute, GameState
@@ -47,6 +48,7 @@ from protocol.dispute.reexecute import (
 from protocol.dispute.verdict import Verdict, sign_verdict
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, OvtError
+from protocol.job.create import load_job_program
 from protocol.job.spec import JobSpec
 
 from .parties import NoAnswer, Party
@@ -249,7 +251,7 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
     does, the `withheld` finding instead (L_i is the trainer's alone to serve; S_{i-1} and
     B_i either party could, so neither serving one is on both)."""
     i = dispute.step
-    batch_size = spec.program_instance().batch_size
+    batch_size = load_job_program(spec).batch_size
     wanted = (  # what to ask, and `protocol.dispute.reexecute`'s own check of it (SPEC §5.3)
         (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s),
          lambda state: check_state(dispute, state)[1], "both"),

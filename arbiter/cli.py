@@ -33,14 +33,15 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.serving import make_channel
 from protocol.cli.commands import run_command
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
-from protocol.dispute.verdict import recheck_evidence, save_evidence, summary, verify_verdict
+from protocol.dispute.evidence import recheck_evidence, save_evidence
+from protocol.dispute.verdict import summary, verify_verdict
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, VerdictError
+from protocol.files import atomic_write
 from protocol.job.spec import JobSpec
-from protocol.job.store import atomic_write
 
 from .adjudicate import DEFAULT_DEADLINE_S, DEFAULT_EVIDENCE_TIMEOUT_S, adjudicate
 from .demo import add_demo_command

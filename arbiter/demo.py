@@ -29,13 +29,13 @@ import grpc
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.dispute.verdict import summary, verify_verdict
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
-from protocol.job.spec import create_job
-from protocol.job.store import atomic_write
+from protocol.files import atomic_write
+from protocol.job.create import create_job
 from trainer_node.client import submit_job
 from trainer_node.faults import TRAINING_KINDS, parse_fault
 

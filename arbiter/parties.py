@@ -23,12 +23,12 @@ import torch
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
 from protocol.codec.state import decode_state
+from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.commit.data import ProvenExample, commit_dataset, prove_examples
-from protocol.commit.signing import Claim, SignedCommitment
 from protocol.engine.batches import batch_indices
-from protocol.engine.executor import Executor
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
+from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -156,15 +156,14 @@ class StoreParty:
 
     def state(self, step: int, timeout_s: float) -> dict[str, torch.Tensor]:
         spec = self.store.spec
-        ex = Executor(spec.program_instance(), seed=spec.seed, policy=spec.policy,
-                      profile=_REGENERATE)
+        ex = job_executor(spec, _REGENERATE)
         try:
             return self.store.state_at(step, ex)
         except OvtError as err:
             raise NoAnswer(f"the {self.role} cannot produce S_{step}: {err}") from None
 
     def batch(self, step: int, timeout_s: float) -> list[ProvenExample]:
-        program = self.store.spec.program_instance()
+        program = load_job_program(self.store.spec)
         _, tree = commit_dataset(program.dataset)
         spec = self.store.spec
         indices = batch_indices(spec.seed, len(program.dataset), program.batch_size, step)

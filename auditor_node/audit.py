@@ -25,14 +25,16 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import DEFAULT_DEADLINE_S, PeerError, RemoteClaims
 from proto.serving import make_channel
 from protocol.codec.canonical import decode, encode
-from protocol.commit.signing import Claim, KeyPair, SignedCommitment
+from protocol.commit.commitments import Claim, SignedCommitment
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, OvtError
+from protocol.files import atomic_write
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.job.spec import JobSpec
-from protocol.job.store import JobStore, atomic_write
+from protocol.job.store import JobStore
 
 from .leafcache import CachedClaims
 

@@ -20,10 +20,10 @@ import threading
 from pathlib import Path
 
 from protocol.cli.commands import run_command
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
-from protocol.job.store import atomic_write
+from protocol.files import atomic_write
 
 from .audit import MATCHED, AuditRecord, run_audit
 from .faults import KINDS as FAULT_KINDS

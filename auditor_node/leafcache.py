@@ -21,10 +21,11 @@ import threading
 from pathlib import Path
 
 from protocol.codec.canonical import decode
-from protocol.commit.signing import SignedCommitment, leaf_data
+from protocol.commit.commitments import SignedCommitment
+from protocol.commit.leaf import Leaf, leaf_data
 from protocol.errors import EncodingError
+from protocol.files import atomic_write
 from protocol.job.run import ClaimSource
-from protocol.job.store import Leaf, atomic_write
 
 CACHE_FILE = "trainer-leaves.ovt"
 _LENGTH = struct.Struct(">I")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.codec.canonical import decode, encode
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
+from protocol.files import atomic_write
 from protocol.job.run import StepHooks
-from protocol.job.store import atomic_write
 
 from .audit import DIVERGED, FAILED, MATCHED, AuditRecord, run_audit
 

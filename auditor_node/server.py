@@ -19,7 +19,7 @@ from pathlib import Path
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import build_server, make_health
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 
 from .faults import AuditorFaults, Fault

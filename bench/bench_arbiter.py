@@ -31,12 +31,12 @@ from arbiter.parties import RemoteParty
 from auditor_node.audit import own_claim
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import StoreSource, replay_job, run_job
-from protocol.job.spec import build_job
 from protocol.job.store import JobStore
 from trainer_node.faults import TrainerFaults, parse_fault
 

@@ -23,11 +23,11 @@ import torch
 from auditor_node.audit import run_audit
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import run_job
-from protocol.job.spec import build_job
 from protocol.job.store import JobStore
 
 

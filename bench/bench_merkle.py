@@ -20,7 +20,8 @@ import random
 import statistics
 import time
 
-from protocol.commit.merkle import MerkleTree, inclusion_proof, leaf_hash, verify_inclusion
+from protocol.commit.hashing import leaf_hash
+from protocol.commit.merkle import MerkleTree, inclusion_proof, verify_inclusion
 
 
 def _percentile(values: list[float], fraction: float) -> float:

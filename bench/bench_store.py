@@ -19,13 +19,13 @@ import torch
 
 from protocol.codec.roundinglog import encode_log, log_digest
 from protocol.codec.state import state_digest
-from protocol.commit.merkle import leaf_hash
-from protocol.commit.signing import leaf_data
+from protocol.commit.hashing import leaf_hash
+from protocol.commit.leaf import leaf_data
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import BUILTIN
-from protocol.job.spec import build_job
+from protocol.job.create import build_job, load_job_program
 from protocol.job.store import JobStore
 
 
@@ -43,7 +43,7 @@ def bench_program(name: str, preset: str, steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as root:
         store = JobStore(root, spec)
         store.put_initial(state0)
-        ex = Executor(spec.program_instance(), seed=0, policy=spec.policy,
+        ex = Executor(load_job_program(spec), seed=0, policy=spec.policy,
                       profile=Profile.parse("cpu-2t"))
         ex.load_state(state0)
         for t in range(1, steps + 1):

@@ -22,15 +22,16 @@ import safetensors
 import safetensors.torch
 
 from protocol.codec.state import encode_state, state_digest
+from protocol.commit.commitments import SignedCommitment
 from protocol.commit.data import commit_dataset
+from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree, verify_inclusion
-from protocol.commit.signing import SignedCommitment
 from protocol.engine.batches import batch_indices
-from protocol.engine.executor import Executor
 from protocol.engine.profiles import Profile
 from protocol.errors import OvtError, StoreError
+from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
-from protocol.job.store import JobStore, Leaf
+from protocol.job.store import JobStore
 
 from . import ovt_pb2, ovt_pb2_grpc
 
@@ -166,8 +167,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         self._step(store, request.step, context)
         state = store.checkpoint(request.step)
         if state is None:  # not stored or damaged: regenerate from an earlier one (SPEC §4)
-            ex = Executor(store.spec.program_instance(), seed=store.spec.seed,
-                          policy=store.spec.policy, profile=_REGEN_PROFILE)
+            ex = job_executor(store.spec, _REGEN_PROFILE)
             try:
                 state = store.state_at(request.step, ex)
             except StoreError as err:
@@ -189,7 +189,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     def _data(self, spec: JobSpec):
         with self._lock:
             if spec.job_id not in self._data_trees:
-                program = spec.program_instance()
+                program = load_job_program(spec)
                 self._data_trees[spec.job_id] = (
                     program.dataset, commit_dataset(program.dataset)[1], program.batch_size)
             return self._data_trees[spec.job_id]

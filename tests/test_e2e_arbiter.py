@@ -16,9 +16,9 @@ import pytest
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.verdict import verify_verdict
-from protocol.job.spec import create_job
+from protocol.job.create import create_job
 from tests.auditor_node.daemon import Auditors, watch_audit
 from tests.trainer_node.daemon import Trainers, watch_until
 
@@ -45,6 +45,7 @@ def _run(*args, timeout=RUN_TIMEOUT_S):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # ~13 s on 2 cores: the whole demo, three daemons
 def test_the_demo_verifies_the_honest_trainer_and_catches_the_cheat(tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY_JOB)
     proc = _run("demo", "--job-file", tmp_path / "tiny.toml", "--fault", "skip-step:7",

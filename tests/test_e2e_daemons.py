@@ -15,9 +15,10 @@ import pytest
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.commit.commitments import SignedCommitment
+from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
-from protocol.job.spec import build_job
+from protocol.job.create import build_job
 from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
 
 pytestmark = pytest.mark.network

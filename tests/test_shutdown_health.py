@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from auditor_node.server import AuditorNode
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from trainer_node.server import TrainerConfig, TrainerNode
 

@@ -29,10 +29,10 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import PeerError
 from proto.serving import make_channel, make_self_signed_cert
 from protocol.cli.commands import run_command
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
-from protocol.job.store import atomic_write
+from protocol.files import atomic_write
 
 from .client import submit_job
 from .faults import KINDS as FAULT_KINDS

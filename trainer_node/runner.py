@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from proto.claims import StoreDirectory
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import OvtError
 from protocol.job.run import StepHooks, run_job

@@ -30,6 +30,7 @@ from proto.claims import PeerError, join_chunks
 from protocol.codec.state import state_digest
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, OvtError, ProgramError, StoreError
+from protocol.job.create import load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -146,7 +147,7 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     def _check_program(self, spec: JobSpec, context) -> None:
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
-            spec.program_instance()
+            load_job_program(spec)
         except (ProgramError, ConfigError) as err:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, _one_line(err))
 

@@ -18,13 +18,15 @@ from pathlib import Path
 import safetensors.torch
 
 from protocol.codec.state import state_digest
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, StoreError
+from protocol.files import atomic_write
 from protocol.job import spec as jobspec
+from protocol.job.create import create_job
 from protocol.job.run import StoreSource, replay_job, run_job
-from protocol.job.spec import JobSpec, create_job
-from protocol.job.store import JobStore, atomic_write
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore
 
 _CREATE_HELP = jobspec.__doc__
 

@@ -24,17 +24,13 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from protocol.codec.dtypes import DTYPES
 from protocol.errors import StateFormatError
 
 MAGIC = b"OVTS"
 VERSION = 1
 
-_DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-    "float16": torch.float16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_NAMES = {v: k for k, v in DTYPES.items()}
 # numpy cannot hold bfloat16: its bytes travel as int16 of the same width.
 _BYTE_VIEW = {torch.bfloat16: torch.int16}
 # Equality is on bits: NaN payloads and the sign of zero count (torch.equal says -0.0 == 0.0).
@@ -108,7 +104,7 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
         if previous is not None and name <= previous:
             raise StateFormatError(f"state names not strictly sorted at {name!r}")
         (n,) = struct.unpack("<B", take(1))
-        dtype = _DTYPES.get(bytes(take(n)).decode("ascii", errors="replace"))
+        dtype = DTYPES.get(bytes(take(n)).decode("ascii", errors="replace"))
         if dtype is None:
             raise StateFormatError(f"state tensor {name!r} has an unknown dtype")
         (ndim,) = struct.unpack("<B", take(1))

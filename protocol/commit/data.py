@@ -9,13 +9,24 @@ needs the whole dataset: it checks each example against the committed root.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from protocol.codec.state import state_digest
-from protocol.commit.merkle import MerkleTree, leaf_hash, verify_inclusion
-from protocol.engine.programs.base import ExampleSource
+from protocol.commit.hashing import leaf_hash
+from protocol.commit.merkle import MerkleTree, verify_inclusion
 from protocol.errors import ProofError
+
+
+class ExampleSource(Protocol):
+    """A fixed, finite sequence of training examples."""
+
+    def __len__(self) -> int: ...
+
+    def example(self, index: int) -> dict[str, torch.Tensor]:
+        """Example `index` as named CPU tensors (same names and shapes for every index)."""
+        ...
 
 
 @dataclass(frozen=True)

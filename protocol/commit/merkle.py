@@ -1,8 +1,7 @@
 """RFC 6962 Merkle trees over leaf hashes (SPEC §2 "Leaf", §2.1), and their inclusion proofs.
 
-The hash scheme comes first and alone: SHA-256 with a one-byte domain prefix, 0x00 for a leaf and
-0x01 for an interior node, so a leaf can never be passed off as a node (RFC 6962 §2.1). Everything
-below it works on 32-byte leaf hashes and calls `node_hash` only.
+The hash scheme lives alone in `protocol.commit.hashing`; everything here works on 32-byte leaf
+hashes and calls `node_hash` only.
 
 The tree's shape is fixed by its leaf count n (RFC 6962 MTH: the left subtree holds the largest
 power of two < n leaves). Built bottom-up, that is the same tree as pairing neighbours level by
@@ -16,6 +15,7 @@ sizes n and n±1 the same proof recomputes the same root. The size to verify aga
 therefore come from a signed commitment (SPEC §2 "Commitment" signs n next to the root), never
 from the prover.
 
+>>> from protocol.commit.hashing import leaf_hash
 >>> leaves = [leaf_hash(bytes([i])) for i in range(5)]
 >>> tree = MerkleTree(leaves)
 >>> tree.root == merkle_root(leaves)
@@ -25,29 +25,12 @@ True
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
+from protocol.commit.hashing import EMPTY_ROOT, HASH_SIZE, node_hash
 from protocol.errors import ProofError, RootMismatchError
 
-# ---- hash scheme (RFC 6962 §2.1) -------------------------------------------------------------
-
-LEAF_PREFIX = b"\x00"
-NODE_PREFIX = b"\x01"
-HASH_SIZE = 32
-
-
-def leaf_hash(data: bytes) -> bytes:
-    """SHA-256(0x00 || data): the hash of one leaf's canonical bytes."""
-    return hashlib.sha256(LEAF_PREFIX + data).digest()
-
-
-def node_hash(left: bytes, right: bytes) -> bytes:
-    """SHA-256(0x01 || left || right): the hash of an interior node."""
-    return hashlib.sha256(NODE_PREFIX + left + right).digest()
-
-
-EMPTY_ROOT = hashlib.sha256(b"").digest()  # RFC 6962: MTH({}) = SHA-256()
+MAX_PROOF_LEN = 64  # a tree of at most 2**63 leaves has proofs of at most 63 hashes
 
 # ---- building trees and proofs (the prover's side) -------------------------------------------
 

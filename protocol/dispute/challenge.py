@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.codec.canonical import decode, encode
-from protocol.commit.signing import PROTOCOL_VERSION, Claim, SignedCommitment
+from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
+from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.errors import EncodingError, ProofError
 
 _FIELDS = ("protocol_version", "job_id", "step", "reason", "trainer_commitment", "trainer_leaf",

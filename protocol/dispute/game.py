@@ -4,7 +4,7 @@ No sockets, no clocks, no randomness: every transition takes the current `GameSt
 time (unix seconds, passed in by the driver) and returns a new frozen `GameState`. Laid out as
 cartesi/dave `Match.sol`: records and state, views (pure predicates), requires (guards that raise
 `GameError` for a call that is not legal in this state), transitions (public), private helpers,
-and the canonical transcript with its replay.
+and, in `protocol.dispute.transcript`, the canonical transcript with its replay.
 
 The game, as played here:
 
@@ -56,17 +56,13 @@ type or value, `GameError` for a call that is not legal in this state.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
-from protocol.codec.canonical import decode, encode
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
-from protocol.commit.signing import PROTOCOL_VERSION, Claim, SignedCommitment
-from protocol.errors import EncodingError, GameError, ProofError, SignatureError, TranscriptError
-
-if TYPE_CHECKING:
-    from protocol.job.spec import JobSpec
+from protocol.commit.commitments import Claim, SignedCommitment
+from protocol.commit.leaf import Leaf
+from protocol.errors import EncodingError, GameError, ProofError, SignatureError
+from protocol.job.spec import JobSpec
 
 TRAINER = "trainer"
 AUDITOR = "auditor"
@@ -75,28 +71,13 @@ FAULTS = ("trainer", "auditor", "both", "none")
 KINDS = ("bad-commitment", "bad-challenge", "h0-mismatch", "malformed", "wrong-step",
          "bad-proof", "timeout", "disagreed-at")
 
-TRANSCRIPT_KIND = "ovt-bisection-transcript"
 MAX_ANSWER_BYTES = 4096  # a claim is at most ~2.5 KB; longer answers are recorded by length only
 MAX_REASON_CHARS = 500
-MAX_TRANSCRIPT_BYTES = 4 * 2**20
 
 
 # ============================================================================================
 # Records (immutable; the transcript is a tuple of them)
 # ============================================================================================
-
-@dataclass(frozen=True)
-class LeafValue:
-    """Leaf t as a party claims it: (t, h_t, ℓ_t), already checked against its signed root."""
-
-    step: int
-    state_hash: bytes
-    log_hash: bytes
-
-    @classmethod
-    def of(cls, claim: Claim) -> LeafValue:
-        return cls(claim.step, claim.state_hash, claim.log_hash)
-
 
 @dataclass(frozen=True)
 class Start:
@@ -183,9 +164,9 @@ class Dispute:
     leaf `step` (the auditor's is None when it could not replay the challenged step)."""
 
     step: int
-    agreed: LeafValue
-    trainer: LeafValue
-    auditor: LeafValue | None
+    agreed: Leaf
+    trainer: Leaf
+    auditor: Leaf | None
 
 
 # ============================================================================================
@@ -213,13 +194,13 @@ class GameState:
     deadline_s: float
     lo: int
     hi: int
-    agreed: LeafValue
-    trainer_hi: LeafValue | None
-    auditor_hi: LeafValue | None
+    agreed: Leaf
+    trainer_hi: Leaf | None
+    auditor_hi: Leaf | None
     question: int | None
     asked_at: float | None
-    trainer_answer: LeafValue | None
-    auditor_answer: LeafValue | None
+    trainer_answer: Leaf | None
+    auditor_answer: Leaf | None
     clock: float
     transcript: tuple[Record, ...]
     outcome: Outcome | None
@@ -344,7 +325,9 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
     step 1 that survives them (leaf 0 agreed, leaf 1 disputed). Raises TypeError or ValueError
     only for arguments of the wrong type or value.
     """
-    job_id, h0, steps = _spec_fields(spec)
+    if not isinstance(spec, JobSpec):
+        raise TypeError(f"spec must be a JobSpec, not {type(spec).__name__}")
+    job_id, h0, steps = spec.job_id, spec.h0, spec.steps
     for name, value in (("trainer", trainer), ("auditor", auditor)):
         if not isinstance(value, SignedCommitment):
             raise TypeError(f"{name} must be a SignedCommitment, not {type(value).__name__}")
@@ -372,7 +355,7 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
     state = GameState(
         job_id=job_id, h0=h0, trainer=trainer, auditor=auditor, trainer_key=trainer_key,
         auditor_key=auditor_key, challenge_step=challenge_step, deadline_s=deadline_s, lo=0,
-        hi=challenge_step, agreed=LeafValue(0, h0, EMPTY_LOG_DIGEST), trainer_hi=None,
+        hi=challenge_step, agreed=Leaf(0, h0, EMPTY_LOG_DIGEST), trainer_hi=None,
         auditor_hi=None, question=None, asked_at=None,
         trainer_answer=None, auditor_answer=None, clock=now, transcript=(record,), outcome=None)
 
@@ -399,15 +382,15 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
 
     # SPEC §5.2: leaf 0 is checked against the job spec's h_0 (and the empty log).
     off = [p for p, claim in ((TRAINER, trainer_leaf0), (AUDITOR, auditor_leaf0))
-           if LeafValue.of(claim) != state.agreed]
+           if claim.leaf != state.agreed]
     if off:
         who = "both" if len(off) == 2 else off[0]
         return _end(state, who, "h0-mismatch", 0,
                     f"the {' and the '.join(off)}'s committed leaf 0 is not (0, h_0, empty "
                     f"log) of the job spec")
 
-    state = replace(state, trainer_hi=LeafValue.of(trainer_leaf),
-                    auditor_hi=None if auditor_leaf is None else LeafValue.of(auditor_leaf))
+    state = replace(state, trainer_hi=trainer_leaf.leaf,
+                    auditor_hi=None if auditor_leaf is None else auditor_leaf.leaf)
     if state.hi - state.lo == 1:
         return _end(state, "none", "disagreed-at", state.hi,
                     f"leaf {state.lo} agreed, leaf {state.hi} disagreed: step {state.hi} is "
@@ -444,7 +427,7 @@ def answer(state: GameState, party: str, claim: Claim | bytes, now: float) -> Ga
         data = bytes(claim)
     else:
         raise TypeError(f"an answer is a Claim or bytes, not {type(claim).__name__}")
-    return _receive(state, party, data, len(data), _time(now, "now"))
+    return receive(state, party, data, len(data), _time(now, "now"))
 
 
 def timeout(state: GameState, now: float) -> GameState:
@@ -464,7 +447,7 @@ def timeout(state: GameState, now: float) -> GameState:
 # Private
 # ============================================================================================
 
-def _receive(state: GameState, party: str, data: bytes, length: int, now: float) -> GameState:
+def receive(state: GameState, party: str, data: bytes, length: int, now: float) -> GameState:
     _require_state(state)
     require_running(state)
     require_party(party)
@@ -491,7 +474,7 @@ def _receive(state: GameState, party: str, data: bytes, length: int, now: float)
     except (ProofError, SignatureError) as err:
         return _lose(state, party, "bad-proof", f"the {party}'s leaf {step} does not verify "
                                                 f"under its signed root: {err}")
-    state = replace(state, **{f"{party}_answer": LeafValue.of(claim)})
+    state = replace(state, **{f"{party}_answer": claim.leaf})
     if needs_answer_from(state):
         return state
     return _decide(state)
@@ -539,7 +522,7 @@ def _challenge_problem(state: GameState, steps: int, trainer_leaf: Claim,
             claim.verify(signed)
         except (ProofError, SignatureError) as err:
             return f"the {party}'s challenged leaf {j} does not verify: {err}"
-    if auditor_leaf is not None and LeafValue.of(auditor_leaf) == LeafValue.of(trainer_leaf):
+    if auditor_leaf is not None and auditor_leaf.leaf == trainer_leaf.leaf:
         return f"the challenged leaves {j} agree"
     for party, claim, signed in ((TRAINER, trainer_leaf0, state.trainer),
                                  (AUDITOR, auditor_leaf0, state.auditor)):
@@ -574,7 +557,7 @@ def _record(state: GameState, record: Record, now: float) -> GameState:
     return replace(state, clock=now, transcript=state.transcript + (record,))
 
 
-def _answer_of(state: GameState, party: str) -> LeafValue | None:
+def _answer_of(state: GameState, party: str) -> Leaf | None:
     return state.trainer_answer if party == TRAINER else state.auditor_answer
 
 
@@ -593,161 +576,3 @@ def _time(value: object, name: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
-
-
-def _spec_fields(spec: object) -> tuple[bytes, bytes, int]:
-    try:
-        job_id, h0, steps = spec.job_id, spec.h0, spec.steps
-    except AttributeError:
-        raise TypeError(f"spec must be a JobSpec, not {type(spec).__name__}") from None
-    if type(job_id) is not bytes or type(h0) is not bytes or type(steps) is not int:
-        raise TypeError("spec must be a JobSpec (job_id and h0 bytes, steps an int)")
-    return job_id, h0, steps
-
-
-# ============================================================================================
-# Transcript: canonical bytes and offline replay (SPEC §5.4)
-# ============================================================================================
-
-@dataclass(frozen=True)
-class Transcript:
-    """A decoded transcript: the commitments and keys it was played under, and its records."""
-
-    job_id: bytes
-    trainer: SignedCommitment
-    auditor: SignedCommitment
-    trainer_key: bytes
-    auditor_key: bytes
-    records: tuple[Record, ...]
-
-
-_RECORD_FIELDS: dict[str, tuple[type, dict[str, tuple[type, ...]]]] = {
-    Start.TYPE: (Start, {"challenge_step": (int,), "at": (float,), "deadline_s": (float,),
-                         "trainer_leaf": (bytes,), "auditor_leaf": (bytes, type(None)),
-                         "trainer_leaf0": (bytes,), "auditor_leaf0": (bytes,)}),
-    Question.TYPE: (Question, {"round": (int,), "step": (int,), "at": (float,)}),
-    Answer.TYPE: (Answer, {"party": (str,), "step": (int,), "at": (float,), "data": (bytes,),
-                           "length": (int,)}),
-    Timeout.TYPE: (Timeout, {"at": (float,)}),
-    Decision.TYPE: (Decision, {"step": (int,), "agreed": (bool,), "lo": (int,), "hi": (int,)}),
-    Outcome.TYPE: (Outcome, {"fault": (str,), "kind": (str,), "step": (int, type(None)),
-                             "reason": (str,)}),
-}
-
-
-def record_body(record: Record) -> dict[str, Any]:
-    """A record as a map: its fields plus "type"."""
-    _, fields = _RECORD_FIELDS[record.TYPE]
-    return {"type": record.TYPE, **{name: getattr(record, name) for name in fields}}
-
-
-def record_from_body(body: object) -> Record:
-    """The record a map describes. Raises EncodingError for unknown types or wrong fields."""
-    if not isinstance(body, dict) or body.get("type") not in _RECORD_FIELDS:
-        raise EncodingError("a transcript record is a map with a known \"type\"")
-    cls, fields = _RECORD_FIELDS[body["type"]]
-    if set(body) != {"type", *fields}:
-        raise EncodingError(f"a {body['type']} record has the fields {', '.join(fields)}")
-    for name, types in fields.items():
-        if type(body[name]) not in types:
-            raise EncodingError(f"{body['type']} record field {name} has the wrong type")
-    return cls(**{name: body[name] for name in fields})
-
-
-def transcript_bytes(state: GameState) -> bytes:
-    """The canonical bytes of the game so far: job, both signed commitments, the registered
-    keys, and every record (the outcome last, once over). What a verdict signs."""
-    _require_state(state)
-    return encode({
-        "kind": TRANSCRIPT_KIND, "protocol_version": PROTOCOL_VERSION, "job_id": state.job_id,
-        "trainer_commitment": state.trainer.to_bytes(),
-        "auditor_commitment": state.auditor.to_bytes(),
-        "trainer_key": state.trainer_key, "auditor_key": state.auditor_key,
-        "records": [record_body(r) for r in state.transcript],
-    })
-
-
-def decode_transcript(data: bytes) -> Transcript:
-    """Strictly parse transcript bytes (canonical only). Raises EncodingError; does not replay."""
-    body = decode(data, max_bytes=MAX_TRANSCRIPT_BYTES)
-    fields = {"kind", "protocol_version", "job_id", "trainer_commitment", "auditor_commitment",
-              "trainer_key", "auditor_key", "records"}
-    if not isinstance(body, dict) or set(body) != fields:
-        raise EncodingError(f"a transcript is a map with the fields {', '.join(sorted(fields))}")
-    if body["kind"] != TRANSCRIPT_KIND or body["protocol_version"] != PROTOCOL_VERSION:
-        raise EncodingError(f"not a protocol {PROTOCOL_VERSION} bisection transcript")
-    for name in fields - {"kind", "protocol_version", "records"}:
-        if type(body[name]) is not bytes:
-            raise EncodingError(f"transcript field {name} must be bytes")
-    if not isinstance(body["records"], list):
-        raise EncodingError("transcript records must be a list")
-    return Transcript(body["job_id"], SignedCommitment.from_bytes(body["trainer_commitment"]),
-                      SignedCommitment.from_bytes(body["auditor_commitment"]),
-                      body["trainer_key"], body["auditor_key"],
-                      tuple(record_from_body(r) for r in body["records"]))
-
-
-def replay_transcript(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment, *,
-                      trainer_key: bytes, auditor_key: bytes,
-                      transcript: bytes | Transcript | Sequence[Record]) -> GameState:
-    """Re-derive a game from its transcript alone: replay every move (start, questions,
-    answers with their proof bytes, timeouts) through the same transitions, and require the
-    recorded decisions and outcome to be exactly the re-derived ones.
-
-    `transcript` is `transcript_bytes` output (whose embedded job, commitments and keys must be
-    the ones given), a decoded `Transcript`, or a sequence of records. Returns the re-derived
-    state (its `outcome` is the game's). Raises TranscriptError if the transcript does not
-    replay to itself, EncodingError if its bytes do not parse.
-    """
-    if isinstance(transcript, bytes | bytearray | memoryview):
-        transcript = decode_transcript(bytes(transcript))
-    if isinstance(transcript, Transcript):
-        given = (spec.job_id, trainer.to_bytes(), auditor.to_bytes(), trainer_key, auditor_key)
-        held = (transcript.job_id, transcript.trainer.to_bytes(), transcript.auditor.to_bytes(),
-                transcript.trainer_key, transcript.auditor_key)
-        if given != held:
-            raise TranscriptError("the transcript was played under another job, commitment or "
-                                  "key than the ones given")
-        records = transcript.records
-    else:
-        records = tuple(transcript)
-    if not records or not isinstance(records[0], Start):
-        raise TranscriptError("a transcript starts with a start record")
-    first = records[0]
-    try:
-        leaves = [None if b is None else Claim.from_bytes(b)
-                  for b in (first.trainer_leaf, first.auditor_leaf, first.trainer_leaf0,
-                            first.auditor_leaf0)]
-    except (EncodingError, TypeError) as err:
-        raise TranscriptError(f"the start record's challenged leaves do not parse: {err}") \
-            from None
-    if leaves[0] is None:
-        raise TranscriptError("the start record has no trainer leaf")
-    if leaves[2] is None or leaves[3] is None:
-        raise TranscriptError("the start record lacks a party's leaf-0 claim")
-    try:
-        state = start(spec, trainer, auditor, first.challenge_step, trainer_key=trainer_key,
-                      auditor_key=auditor_key, trainer_leaf=leaves[0], auditor_leaf=leaves[1],
-                      trainer_leaf0=leaves[2], auditor_leaf0=leaves[3], now=first.at,
-                      deadline_s=first.deadline_s)
-        for i, record in enumerate(records[1:], 1):
-            if isinstance(record, Question):
-                state, _ = ask(state, record.at)
-            elif isinstance(record, Answer):
-                kept = record.length if record.length <= MAX_ANSWER_BYTES else 0
-                if len(record.data) != kept:
-                    raise TranscriptError(f"record {i}: answer data does not match its length")
-                state = _receive(state, record.party, record.data, record.length, record.at)
-            elif isinstance(record, Timeout):
-                state = timeout(state, record.at)
-            elif not isinstance(record, Decision | Outcome):
-                raise TranscriptError(f"record {i} is not a transcript record")
-    except (GameError, TypeError, ValueError) as err:
-        if isinstance(err, TranscriptError):
-            raise
-        raise TranscriptError(f"the transcript does not replay: {err}") from None
-    if state.transcript != records:
-        at = next((k for k, (x, y) in enumerate(zip(state.transcript, records, strict=False))
-                   if x != y), min(len(state.transcript), len(records)))
-        raise TranscriptError(f"the transcript's record {at} differs from the re-derived game")
-    return state

@@ -42,6 +42,7 @@ from protocol.errors import (
     LogViolationError,
     ProofError,
 )
+from protocol.job.create import load_job_program
 
 if TYPE_CHECKING:
     from protocol.dispute.game import Dispute
@@ -209,7 +210,7 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     """
     started = time.perf_counter()
     step = dispute.step
-    program = spec.program_instance()
+    program = load_job_program(spec)
     prev_hash, problem = check_state(dispute, prev_state)
     digests, examples_problem = check_examples(spec, step, examples, program.batch_size)
     log_hash, log_problem = check_log(dispute, log)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.errors import ConfigError
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute
@@ -37,8 +38,6 @@ _FORMATS = {
         int_dtype=torch.int32, shift=23 - 7, min_normal=2.0**-126, subnormal_ulp_exp=-133,
         abs_mask=0x7FFF_FFFF, min_normal_bits=1 << 23),
 }
-
-_DTYPE_NAMES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Default band half-width in target ULPs for general ops. float64->float32: set from
 # `ovt replay-check` (README "Precision policy"): the largest divergence between profiles
@@ -67,10 +66,9 @@ class PrecisionPolicy:
     def __post_init__(self) -> None:
         pair = (self.compute, self.target)
         if pair not in _FORMATS:
-            names = ", ".join(f"{_name(c)}->{_name(t)}" for c, t in _FORMATS)
-            raise ConfigError(
-                f"unsupported precision policy {_name(self.compute)}->{_name(self.target)}; "
-                f"supported: {names}")
+            names = ", ".join(f"{dtype_name(c)}->{dtype_name(t)}" for c, t in _FORMATS)
+            raise ConfigError(f"unsupported precision policy {dtype_name(self.compute)}->"
+                              f"{dtype_name(self.target)}; supported: {names}")
         if self.tau is None:
             object.__setattr__(self, "tau", DEFAULT_TAU[pair])
         if not (0.0 < self.tau <= 0.25):
@@ -82,13 +80,13 @@ class PrecisionPolicy:
     def parse(cls, text: str, tau: float | None = None) -> PrecisionPolicy:
         """Parse 'float64->float32' (or 'float64:float32')."""
         parts = text.replace(":", "->").split("->")
-        if len(parts) != 2 or any(p.strip() not in _DTYPE_NAMES for p in parts):
+        if len(parts) != 2 or any(p.strip() not in DTYPES for p in parts):
             raise ConfigError(f"bad precision policy {text!r}; expected e.g. 'float64->float32'")
-        return cls(_DTYPE_NAMES[parts[0].strip()], _DTYPE_NAMES[parts[1].strip()], tau)
+        return cls(DTYPES[parts[0].strip()], DTYPES[parts[1].strip()], tau)
 
     @property
     def name(self) -> str:
-        return f"{_name(self.compute)}->{_name(self.target)}"
+        return f"{dtype_name(self.compute)}->{dtype_name(self.target)}"
 
     @property
     def fmt(self) -> dict:
@@ -102,9 +100,6 @@ class PrecisionPolicy:
         # k < x  <=>  k < ceil(x) for integer k, so the integer test is exact.
         return _ceil(tau * 2 ** self.fmt["shift"])
 
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _ceil(x: float) -> int:

@@ -20,12 +20,15 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log, log_digest
 from protocol.codec.state import state_digest
-from protocol.commit.signing import Commitment, KeyPair, SignedCommitment, sign_commitment
+from protocol.commit.commitments import Commitment, SignedCommitment, sign_commitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.engine.executor import Executor, StepResult
 from protocol.engine.profiles import Profile
 from protocol.errors import LogMismatchError, LogViolationError, StoreError
+from protocol.job.create import job_executor
 from protocol.job.spec import JobSpec
-from protocol.job.store import JobStore, Leaf
+from protocol.job.store import JobStore
 
 Progress = Callable[[int, int], None]
 
@@ -62,7 +65,7 @@ def _hooked_step(ex: Executor, hooks: StepHooks, t: int,
 
 
 def _executor(spec: JobSpec, profile: Profile) -> Executor:
-    return Executor(spec.program_instance(), seed=spec.seed, policy=spec.policy, profile=profile)
+    return job_executor(spec, profile)
 
 
 def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitment:

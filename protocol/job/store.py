@@ -18,11 +18,9 @@ Nothing is ever unpickled: tensors are safetensors, everything else canonical by
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
@@ -30,10 +28,12 @@ import torch
 
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST, decode_log, log_digest
 from protocol.codec.state import state_digest
-from protocol.commit.merkle import MerkleTree, leaf_hash
-from protocol.commit.signing import SignedCommitment, leaf_data
+from protocol.commit.commitments import SignedCommitment
+from protocol.commit.leaf import Leaf
+from protocol.commit.merkle import MerkleTree
 from protocol.engine.executor import Executor
 from protocol.errors import StoreError
+from protocol.files import atomic_write
 from protocol.job.spec import JobSpec
 
 _SCHEMA = """
@@ -43,34 +43,6 @@ CREATE TABLE IF NOT EXISTS leaves (
 CREATE TABLE IF NOT EXISTS commitments (
     n INTEGER PRIMARY KEY, signed BLOB NOT NULL);
 """
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """Leaf t of the job's tree: H(0x00 || canonical(t, h_t, ℓ_t)) (SPEC §2 "Leaf")."""
-
-    step: int
-    state_hash: bytes
-    log_hash: bytes
-
-    @property
-    def hash(self) -> bytes:
-        return leaf_hash(leaf_data(self.step, self.state_hash, self.log_hash))
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` so that `path` holds either its old content or all of `data`."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class JobStore:

@@ -16,12 +16,13 @@ import pytest
 from arbiter.adjudicate import adjudicate
 from arbiter.parties import StoreParty
 from auditor_node.audit import own_claim
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import StoreSource, replay_job, run_job
-from protocol.job.spec import JobSpec, build_job
+from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

@@ -13,11 +13,12 @@ from arbiter.adjudicate import ArbiterError
 from arbiter.parties import NoAnswer, StoreParty
 from auditor_node.audit import own_claim
 from auditor_node.faults import AuditorFaults
+from protocol.commit.commitments import Claim, Commitment, sign_commitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
-from protocol.commit.signing import Claim, Commitment, KeyPair, sign_commitment
 from protocol.dispute.challenge import Challenge
 from protocol.errors import ConfigError
-from protocol.job.store import Leaf
 from trainer_node.faults import TrainerFaults, parse_fault
 
 from .conftest import STEPS, audit, settle, train

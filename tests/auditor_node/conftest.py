@@ -15,12 +15,15 @@ import pytest
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from protocol.commit.signing import Commitment, KeyPair, SignedCommitment, sign_commitment
+from protocol.commit.commitments import Commitment, SignedCommitment, sign_commitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import run_job
-from protocol.job.spec import JobSpec, build_job
-from protocol.job.store import JobStore, Leaf
+from protocol.job.spec import JobSpec
+from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 20

@@ -16,7 +16,7 @@ from auditor_node.leafcache import CACHE_FILE
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, StoreDirectory
 from proto.serving import build_server, make_self_signed_cert
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.errors import EncodingError, OvtError
 from protocol.job.store import JobStore

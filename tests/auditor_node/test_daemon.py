@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import StoreDirectory
-from protocol.commit.signing import SignedCommitment
+from protocol.commit.commitments import SignedCommitment
 
 from .conftest import STEPS, Counting, serve_claims
 from .daemon import AUDIT_TIMEOUT_S, STOP_TIMEOUT_S, TERMINAL, Auditors, watch_audit

@@ -13,7 +13,7 @@ from auditor_node.cli import main
 from auditor_node.faults import AuditorFaults, parse_auditor_fault
 from auditor_node.runner import AuditRunner
 from auditor_node.server import AuditorNode
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.errors import ConfigError
 from protocol.job.store import JobStore

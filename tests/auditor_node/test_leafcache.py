@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 
 from auditor_node.leafcache import CACHE_FILE, CachedClaims, LeafCache
-from protocol.commit.signing import Commitment, KeyPair, sign_commitment
-from protocol.job.store import Leaf
+from protocol.commit.commitments import Commitment, sign_commitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 
 KEY = KeyPair.generate()
 

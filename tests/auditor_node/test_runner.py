@@ -12,7 +12,7 @@ from auditor_node.audit import AuditRecord
 from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
 from auditor_node.service import report
 from proto.claims import PeerError
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 
 JOB = bytes(range(32))

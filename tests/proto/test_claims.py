@@ -13,13 +13,14 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, PeerError, RemoteClaims, StoreDirectory, join_chunks
 from protocol.codec.state import decode_state
 from protocol.commit.data import ProvenExample, verify_examples
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.engine.batches import batch_indices
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import replay_job, run_job
-from protocol.job.spec import build_job
-from protocol.job.store import JobStore, Leaf
+from protocol.job.store import JobStore
 
 pytestmark = pytest.mark.network
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

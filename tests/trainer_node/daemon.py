@@ -17,11 +17,12 @@ import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.serving import make_channel
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.job.create import build_job
 from protocol.job.run import run_job
-from protocol.job.spec import JobSpec, build_job
+from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

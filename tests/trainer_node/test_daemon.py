@@ -15,7 +15,8 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
 from proto.serving import make_self_signed_cert
 from protocol.codec.state import state_digest
-from protocol.commit.signing import KeyPair, SignedCommitment
+from protocol.commit.commitments import SignedCommitment
+from protocol.commit.keys import KeyPair
 from protocol.job.store import JobStore
 
 from .daemon import STEPS, channel_to, submit, watch_until

@@ -18,13 +18,14 @@ from auditor_node.audit import MATCHED, run_audit, trainer_claim
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
-from protocol.commit.signing import Claim, KeyPair, SignedCommitment
-from protocol.engine.executor import Executor
+from protocol.commit.commitments import Claim, SignedCommitment
+from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, ProofError
+from protocol.job.create import build_job, job_executor
 from protocol.job.run import StepHooks, StoreSource, replay_job, run_job
-from protocol.job.spec import JobSpec, build_job
+from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 from tests.auditor_node.conftest import serve_claims
 from trainer_node.cli import main
@@ -128,8 +129,7 @@ def test_skip_step_stores_the_previous_state_with_the_step_counter(job, tmp_path
     faulty = _train(job, tmp_path, TrainerFaults([Fault("skip-step", 5)]))
     skipped, before = faulty.checkpoint(5), job.honest.checkpoint(5)  # interval 5: stored
     assert int(skipped["step"]) == 5
-    honest4 = faulty.state_at(4, Executor(job.spec.program_instance(), seed=job.spec.seed,
-                                          policy=job.spec.policy, profile=TRAINER_PROFILE))
+    honest4 = faulty.state_at(4, job_executor(job.spec, TRAINER_PROFILE))
     assert all(skipped[name].equal(honest4[name]) for name in honest4 if name != "step")
     assert before is not None and not all(before[n].equal(skipped[n]) for n in before)
 

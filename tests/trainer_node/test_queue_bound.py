@@ -10,10 +10,10 @@ import safetensors.torch
 import trainer_node.runner as runner_module
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import StoreDirectory
-from protocol.commit.signing import KeyPair
+from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
-from protocol.job.spec import build_job
+from protocol.job.create import build_job
 from protocol.job.store import JobStore
 from trainer_node.runner import JobRunner, QueueFullError
 from trainer_node.server import TrainerConfig, TrainerNode

@@ -17,19 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-
-class ExampleSource(Protocol):
-    """A fixed, finite sequence of training examples."""
-
-    def __len__(self) -> int: ...
-
-    def example(self, index: int) -> dict[str, torch.Tensor]:
-        """Example `index` as named CPU tensors (same names and shapes for every index)."""
-        ...
+from protocol.commit.data import ExampleSource
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,11 @@ import random
 
 import pytest
 
+from protocol.commit.hashing import EMPTY_ROOT, LEAF_PREFIX, NODE_PREFIX, leaf_hash, node_hash
 from protocol.commit.merkle import (
-    EMPTY_ROOT,
-    LEAF_PREFIX,
-    NODE_PREFIX,
     MerkleTree,
     inclusion_proof,
-    leaf_hash,
     merkle_root,
-    node_hash,
     root_from_proof,
     verify_inclusion,
 )

@@ -16,16 +16,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
+from protocol.commit.commitments import Claim, Commitment, SignedCommitment, sign_commitment
 from protocol.commit.data import DataCommitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
-from protocol.commit.signing import Claim, Commitment, KeyPair, SignedCommitment, sign_commitment
 from protocol.dispute import game
 from protocol.dispute.game import (
     AUDITOR,
     TRAINER,
     Answer,
     Decision,
-    LeafValue,
     Outcome,
     Question,
     answer,
@@ -33,22 +34,19 @@ from protocol.dispute.game import (
     can_ask,
     deadline,
     deadline_passed,
-    decode_transcript,
     dispute,
     disputed_step,
     is_over,
     is_running,
     needs_answer_from,
-    replay_transcript,
     rounds,
     start,
     timeout,
-    transcript_bytes,
 )
+from protocol.dispute.transcript import decode_transcript, replay_transcript, transcript_bytes
 from protocol.engine.precision import PrecisionPolicy
 from protocol.errors import EncodingError, GameError, TranscriptError
 from protocol.job.spec import JobSpec
-from protocol.job.store import Leaf
 
 DEADLINE = 10.0
 T0 = 1_000.0
@@ -102,9 +100,9 @@ class Player:
         return Claim(self.job_id, step, leaf.state_hash, leaf.log_hash,
                      tuple(self.tree.proof(step)), self.tree.size)
 
-    def leaf(self, step: int) -> LeafValue:
+    def leaf(self, step: int) -> Leaf:
         leaf = self.leaves[step]
-        return LeafValue(step, leaf.state_hash, leaf.log_hash)
+        return Leaf(step, leaf.state_hash, leaf.log_hash)
 
     def respond(self, step: int, round_: int) -> bytes | Claim | None:
         """The answer to round `round_`'s question on `step` (None: stay silent)."""
@@ -518,7 +516,7 @@ def test_start_accepts_valid_commitments():
     state = begin(spec, trainer, auditor, 32)
     assert is_running(state) and can_ask(state) and (state.lo, state.hi) == (0, 32)
     assert_running_invariant(state, trainer, auditor)
-    assert state.agreed == LeafValue(0, H0, EMPTY_LOG_DIGEST)
+    assert state.agreed == Leaf(0, H0, EMPTY_LOG_DIGEST)
     assert rounds(state) == 0 and needs_answer_from(state) == frozenset()
     start_record = state.transcript[0]
     assert start_record.trainer_leaf0 == trainer.claim(0).to_bytes()

@@ -19,18 +19,20 @@ import torch
 from protocol.codec.canonical import decode, encode
 from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_log, log_digest
 from protocol.codec.state import state_digest
+from protocol.commit.commitments import SignedCommitment
 from protocol.commit.data import ProvenExample, commit_dataset, example_digest, prove_examples
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
-from protocol.commit.signing import KeyPair, SignedCommitment
-from protocol.dispute.game import Dispute, LeafValue
+from protocol.dispute.game import Dispute
 from protocol.dispute.reexecute import Reexecution, reexecute, withheld
 from protocol.engine.batches import batch_indices
-from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError
+from protocol.job.create import build_job, job_executor, load_job_program
 from protocol.job.run import run_job
-from protocol.job.spec import JobSpec, build_job
+from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
@@ -63,25 +65,24 @@ def tiny_job(tmp_path_factory) -> TinyJob:
         store.put_initial(state0)
         key = KeyPair.generate()
         signed = run_job(store, key, profile=TRAINER_PROFILE)
-        _, tree = commit_dataset(spec.program_instance().dataset)
+        _, tree = commit_dataset(load_job_program(spec).dataset)
         _CACHE["job"] = TinyJob(spec, root, store, tree, key, signed)
     return _CACHE["job"]
 
 
 def evidence(job: TinyJob, step: int):
     """What an honest trainer serves for step `step`: S_{step-1}, B_step proven, L_step."""
-    ex = Executor(job.spec.program_instance(), seed=job.spec.seed, policy=job.spec.policy,
-                  profile=TRAINER_PROFILE)
+    ex = job_executor(job.spec, TRAINER_PROFILE)
     prev_state = job.store.state_at(step - 1, ex)
-    program = job.spec.program_instance()
+    program = load_job_program(job.spec)
     indices = batch_indices(job.spec.seed, job.spec.data.count, program.batch_size, step)
     examples = prove_examples(program.dataset, job.data_tree, indices)
     return prev_state, examples, job.store.log_bytes(step)
 
 
-def leaf(job: TinyJob, step: int) -> LeafValue:
+def leaf(job: TinyJob, step: int) -> Leaf:
     stored = job.store.leaf(step)
-    return LeafValue(step, stored.state_hash, stored.log_hash)
+    return Leaf(step, stored.state_hash, stored.log_hash)
 
 
 def dispute_at(job: TinyJob, step: int, *, log_hash: bytes | None = None) -> Dispute:
@@ -92,7 +93,7 @@ def dispute_at(job: TinyJob, step: int, *, log_hash: bytes | None = None) -> Dis
     if log_hash is not None:
         trainer = replace(trainer, log_hash=log_hash)
     return Dispute(step, leaf(job, step - 1), trainer,
-                   LeafValue(step, bytes(32), trainer.log_hash))
+                   Leaf(step, bytes(32), trainer.log_hash))
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,7 @@ def test_previous_state_with_one_changed_bit_is_bad_evidence(job):
 def test_previous_state_with_another_step_counter_is_bad_evidence(job):
     prev_state, _, _ = evidence(job, 4)
     changed = {**prev_state, "step": torch.tensor(7, dtype=torch.int64)}
-    agreed = LeafValue(3, state_digest(changed), job.store.leaf(3).log_hash)
+    agreed = Leaf(3, state_digest(changed), job.store.leaf(3).log_hash)
     r = _bad(job, 4, prev_state=changed, dispute=replace(dispute_at(job, 4), agreed=agreed))
     assert "step counter" in r.detail
 

@@ -14,25 +14,22 @@ from dataclasses import replace
 import pytest
 
 from protocol.codec.state import state_digest
-from protocol.commit.signing import KeyPair, sign_object
-from protocol.dispute import game
+from protocol.commit.keys import KeyPair, sign_object
+from protocol.commit.leaf import Leaf
+from protocol.dispute.decision import Finding, decide
+from protocol.dispute.evidence import load_evidence, recheck_evidence, save_evidence
 from protocol.dispute.game import AUDITOR, TRAINER, dispute, disputed_step, rounds
 from protocol.dispute.reexecute import Reexecution, reexecute, withheld
+from protocol.dispute.transcript import transcript_bytes
 from protocol.dispute.verdict import (
     MAX_VERDICT_BYTES,
     SIGNATURE_KIND,
-    Finding,
     Verdict,
-    decide,
-    load_evidence,
-    recheck_evidence,
-    save_evidence,
     sign_verdict,
     summary,
     verify_verdict,
 )
 from protocol.errors import VerdictError
-from protocol.job.store import Leaf
 from tests.protocol.dispute.test_game import (
     BadProofLiar,
     Player,
@@ -209,7 +206,7 @@ def test_signed_verdicts_verify_and_round_trip(name):
     assert verify_verdict(data, arbiter_key=ARBITER.public_key) == v
     assert (v.fault, v.finding) == (fault, finding) and v.reexecution == reexec
     assert v.job_id == spec.job_id and v.spec == spec.to_bytes()
-    assert v.transcript == game.transcript_bytes(state)
+    assert v.transcript == transcript_bytes(state)
     assert v.rounds == rounds(state)
     assert "leaf0_checks" not in v.body()
     if name in ("h0-mismatch", "bad-challenge", "bad-commitment"):
@@ -304,10 +301,10 @@ def test_a_transcript_of_another_game_is_rejected():
     spec, trainer, auditor, state, v = _false_challenge()
     _, _, _, other = played(d=3)  # the same job, a dispute at another step
     with pytest.raises(VerdictError, match="does not fit"):
-        verify_verdict(resign(v, transcript=game.transcript_bytes(other)))
+        verify_verdict(resign(v, transcript=transcript_bytes(other)))
     running = begin(spec, trainer, auditor, N)
     with pytest.raises(VerdictError, match="not over"):
-        verify_verdict(resign(v, transcript=game.transcript_bytes(running)))
+        verify_verdict(resign(v, transcript=transcript_bytes(running)))
     with pytest.raises(VerdictError, match="does not parse"):
         verify_verdict(resign(v, transcript=b"\xc0"))
 
@@ -316,7 +313,7 @@ def test_a_transcript_whose_moves_do_not_replay_is_rejected():
     spec, trainer, auditor, state, v = _false_challenge()
     forged = state.transcript[:-1] + (replace(state.outcome, fault=TRAINER),)
     with pytest.raises(VerdictError, match="does not replay"):
-        verify_verdict(resign(v, transcript=game.transcript_bytes(replace(state,
+        verify_verdict(resign(v, transcript=transcript_bytes(replace(state,
                                                                           transcript=forged))))
 
 
@@ -468,7 +465,7 @@ def test_recheck_needs_a_reexecution(tmp_path):
 
 def test_load_evidence_is_strict(real, tmp_path):
     from protocol.codec.canonical import decode, encode
-    from protocol.dispute.verdict import EXAMPLES_FILE, STATE_FILE
+    from protocol.dispute.evidence import EXAMPLES_FILE, STATE_FILE
     _, _, _, _, ev = real
     with pytest.raises(VerdictError, match="cannot read"):
         load_evidence(tmp_path / "missing")

@@ -9,7 +9,8 @@ import pytest
 from protocol.cli.main import main
 from protocol.codec.canonical import decode, encode
 from protocol.errors import ConfigError, EncodingError, ProgramError
-from protocol.job.spec import JobSpec, create_job
+from protocol.job.create import create_job, load_job_program
+from protocol.job.spec import JobSpec
 
 JOB_TOML = """
 program = "image-cnn"
@@ -98,10 +99,10 @@ def test_changed_program_source_is_detected(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(f'program = "{program}:build"\nsteps = 2\n')
     spec, _ = create_job(path)
-    spec.program_instance()  # unchanged: loads
+    load_job_program(spec)  # unchanged: loads
     program.write_text(program.read_text() + "\n# a change\n")
     with pytest.raises(ProgramError, match="differs from the one this job committed to"):
-        spec.program_instance()
+        load_job_program(spec)
 
 
 def test_cli_keygen_create_show_run_audit(job_file, tmp_path, capsys):

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from protocol.codec.state import states_equal
-from protocol.commit.signing import Commitment, KeyPair, sign_commitment
-from protocol.engine.executor import Executor
+from protocol.commit.commitments import Commitment, sign_commitment
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import StoreError
+from protocol.job.create import build_job, job_executor
 from protocol.job.run import StoreSource, replay_job, run_job
-from protocol.job.spec import build_job
-from protocol.job.store import JobStore, Leaf
+from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS, WATCHED = 200, 137
@@ -43,7 +44,7 @@ def trained(tmp_path_factory):
     key = KeyPair.generate()
     signed = run_job(store, key, profile=PROFILE)
     # The state seen during training at step WATCHED, recomputed independently of the store.
-    ex = Executor(spec.program_instance(), seed=spec.seed, policy=spec.policy, profile=PROFILE)
+    ex = job_executor(spec, PROFILE)
     ex.load_state(state0)
     for _ in range(WATCHED):
         ex.step()
@@ -51,7 +52,7 @@ def trained(tmp_path_factory):
 
 
 def _fresh_executor(spec):
-    return Executor(spec.program_instance(), seed=spec.seed, policy=spec.policy, profile=PROFILE)
+    return job_executor(spec, PROFILE)
 
 
 def test_commitment_covers_every_step(trained):

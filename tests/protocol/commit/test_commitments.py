@@ -1,4 +1,4 @@
-"""Tests of protocol.commit.signing: keys, domain separation, commitments, claims (SPEC §2, §6)."""
+"""protocol.commit.keys and .commitments: keys, domain separation, commitments, claims (SPEC §2)."""
 
 from __future__ import annotations
 
@@ -13,24 +13,26 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec.canonical import encode
-from protocol.commit.merkle import MerkleTree, leaf_hash
-from protocol.commit.signing import (
+from protocol.codec.canonical import PROTOCOL_VERSION, encode
+from protocol.commit.commitments import (
     KIND_CLAIM,
     KIND_COMMITMENT,
-    PROTOCOL_VERSION,
-    SIGNATURE_DOMAIN,
     Claim,
     Commitment,
-    KeyPair,
     SignedCommitment,
-    leaf_data,
     sign_commitment,
+)
+from protocol.commit.hashing import leaf_hash
+from protocol.commit.keys import (
+    SIGNATURE_DOMAIN,
+    KeyPair,
     sign_object,
     signing_message,
     verify_object,
     verify_signature,
 )
+from protocol.commit.leaf import leaf_data
+from protocol.commit.merkle import MerkleTree
 from protocol.errors import (
     ConfigError,
     EncodingError,
