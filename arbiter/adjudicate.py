@@ -47,11 +47,11 @@ from protocol.dispute.reexecute import (
 )
 from protocol.dispute.verdict import Verdict, sign_verdict
 from protocol.engine.profiles import Profile
-from protocol.errors import ConfigError, OvtError
+from protocol.errors import ArbiterError, ConfigError, NoAnswer, OvtError
 from protocol.job.create import load_job_program
 from protocol.job.spec import JobSpec
 
-from .parties import NoAnswer, Party
+from .parties import Party
 
 DEFAULT_DEADLINE_S = 30.0
 DEFAULT_EVIDENCE_TIMEOUT_S = 300.0
@@ -66,10 +66,6 @@ _WALL0, _MONO0 = time.time(), time.monotonic()
 def _now() -> float:
     """Unix seconds that never run backwards (a wall-clock jump must not move a deadline)."""
     return _WALL0 + (time.monotonic() - _MONO0)
-
-
-class ArbiterError(OvtError):
-    """The arbiter itself failed (not a party): no verdict can be signed."""
 
 
 @dataclass(frozen=True)

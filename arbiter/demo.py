@@ -29,6 +29,7 @@ import grpc
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
+from proto.submit import submit_job
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.dispute.verdict import summary, verify_verdict
@@ -36,8 +37,7 @@ from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
 from protocol.job.create import create_job
-from trainer_node.client import submit_job
-from trainer_node.faults import TRAINING_KINDS, parse_fault
+from protocol.job.faults import TRAINING_KINDS, parse_fault
 
 from .adjudicate import adjudicate
 from .parties import RemoteParty

@@ -27,17 +27,13 @@ from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.commit.data import ProvenExample, commit_dataset, prove_examples
 from protocol.engine.batches import batch_indices
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError, OvtError
+from protocol.errors import EncodingError, NoAnswer, OvtError
 from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 MAX_STATE_BYTES = 1 << 31
 _REGENERATE = Profile("regenerate")  # a party regenerating its own S_t: its own hardware
-
-
-class NoAnswer(OvtError):
-    """A party did not answer, or answered with something that is not an answer at all."""
 
 
 class Party(Protocol):

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import DEFAULT_DEADLINE_S, PeerError, RemoteClaims
+from proto.claims import DEFAULT_DEADLINE_S, RemoteClaims
 from proto.serving import make_channel
 from protocol.codec.canonical import decode, encode
 from protocol.commit.commitments import Claim, SignedCommitment
@@ -30,7 +30,7 @@ from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
-from protocol.errors import ConfigError, EncodingError, OvtError
+from protocol.errors import ConfigError, EncodingError, OvtError, PeerError
 from protocol.files import atomic_write
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.job.spec import JobSpec

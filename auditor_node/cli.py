@@ -24,10 +24,11 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from protocol.job.faults import Fault
 
 from .audit import MATCHED, AuditRecord, run_audit
 from .faults import KINDS as FAULT_KINDS
-from .faults import AuditorFaults, Fault, parse_auditor_fault
+from .faults import AuditorFaults, parse_auditor_fault
 from .server import AuditorNode
 
 EXIT_OK, EXIT_DIVERGED = 0, 1

@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from protocol.errors import ConfigError
+from protocol.job.faults import AUDITOR_KINDS as KINDS  # one vocabulary of faults, shared
+from protocol.job.faults import Fault, one_ulp_off, parse_fault
 from protocol.job.run import StepHooks
-from trainer_node.faults import AUDITOR_KINDS as KINDS  # one vocabulary of faults, shared
-from trainer_node.faults import Fault, one_ulp_off, parse_fault
-
-__all__ = ["KINDS", "AuditorFaults", "Fault", "parse_auditor_fault"]
 
 
 def parse_auditor_fault(text: str) -> Fault:

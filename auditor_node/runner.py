@@ -26,7 +26,7 @@ from pathlib import Path
 from protocol.codec.canonical import decode, encode
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError, OvtError
+from protocol.errors import EncodingError, OvtError, ResourceLimitError
 from protocol.files import atomic_write
 from protocol.job.run import StepHooks
 
@@ -36,10 +36,6 @@ QUEUED, RUNNING = "queued", "running"
 TERMINAL = (MATCHED, DIVERGED, FAILED)
 REQUEST_FILE, RECORD_FILE = "audit-request.ovt", "audit.ovt"
 MAX_PENDING = 64
-
-
-class QueueFullError(OvtError):
-    """Too many audits are waiting; try again later."""
 
 
 class _Stopped(Exception):
@@ -126,13 +122,13 @@ class AuditRunner:
 
     def submit(self, job_id: bytes, trainer: str) -> AuditStatus:
         """Queue an audit of `job_id` at `trainer`, or join the one already under way or decided
-        (a failed one is queued again). Raises QueueFullError when MAX_PENDING are waiting."""
+        (a failed one is queued again). Raises ResourceLimitError when MAX_PENDING are waiting."""
         with self.changed:
             current = self._statuses.get(job_id)
             if current is not None and current.state != FAILED:
                 return current
             if self._queue.qsize() >= MAX_PENDING:
-                raise QueueFullError(f"{MAX_PENDING} audits are already waiting")
+                raise ResourceLimitError(f"{MAX_PENDING} audits are already waiting")
             job_dir = self.store_root / job_id.hex()
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / RECORD_FILE).unlink(missing_ok=True)

@@ -21,8 +21,9 @@ from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.job.faults import Fault
 
-from .faults import AuditorFaults, Fault
+from .faults import AuditorFaults
 from .runner import AuditRunner
 from .service import AuditorServicer
 

@@ -11,13 +11,11 @@ ever reaches the peer.
 
 from __future__ import annotations
 
-import grpc
-
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.serving import split_address
-from protocol.errors import ConfigError
+from proto.serving import job_id_of, rpc_errors, split_address
+from protocol.errors import NotFoundError, RequestError, StoreError
 
-from .runner import AuditRunner, AuditStatus, QueueFullError
+from .runner import AuditRunner, AuditStatus
 
 MAX_ADDRESS_CHARS = 512
 WATCH_POLL_S = 1.0  # how often a watcher notices a cancelled client or a stopping server
@@ -35,44 +33,32 @@ def report(status: AuditStatus) -> ovt_pb2.AuditReport:
         error=(record.error or "") if record else "")
 
 
+@rpc_errors
 class AuditorServicer(ovt_pb2_grpc.AuditorServicer):
     def __init__(self, runner: AuditRunner) -> None:
         self.runner = runner
 
-    def _job_id(self, job_id: bytes, context) -> bytes:
-        if len(job_id) != 32:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"job_id must be 32 bytes, got {len(job_id)}")
-        return bytes(job_id)
-
-    def _status(self, job_id: bytes, context) -> AuditStatus:
-        status = self.runner.get(self._job_id(job_id, context))
+    def _status(self, job_id: bytes) -> AuditStatus:
+        status = self.runner.get(job_id_of(job_id))
         if status is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no audit of job {job_id.hex()}")
+            raise NotFoundError(f"no audit of job {job_id.hex()}")
         return status
 
     def Audit(self, request, context):
-        job_id = self._job_id(request.job_id, context)
+        job_id = bytes(job_id_of(request.job_id))
         address = request.trainer_address
         if not address:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "trainer_address is empty")
+            raise RequestError("trainer_address is empty")
         if len(address) > MAX_ADDRESS_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"trainer_address is longer than {MAX_ADDRESS_CHARS} characters")
-        try:
-            split_address(address)
-            status = self.runner.submit(job_id, address)
-        except ConfigError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except QueueFullError as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        return report(status)
+            raise RequestError(f"trainer_address is longer than {MAX_ADDRESS_CHARS} characters")
+        split_address(address)  # ConfigError (INVALID_ARGUMENT) if malformed
+        return report(self.runner.submit(job_id, address))
 
     def GetAudit(self, request, context):
-        return report(self._status(request.job_id, context))
+        return report(self._status(request.job_id))
 
     def WatchAudit(self, request, context):
-        status = self._status(request.job_id, context)
+        status = self._status(request.job_id)
         yield report(status)
         while not status.finished and context.is_active() and not self.runner.stopping:
             newer = self.runner.wait(status.job_id, status.version, WATCH_POLL_S)
@@ -81,13 +67,13 @@ class AuditorServicer(ovt_pb2_grpc.AuditorServicer):
                 yield report(status)
 
     def GetChallenge(self, request, context):
-        status = self._status(request.job_id, context)
+        status = self._status(request.job_id)
         record = status.record
         if record is None or record.challenge is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no challenge for job {status.job_id.hex()} (audit {status.state})")
+            raise NotFoundError(f"no challenge for job {status.job_id.hex()} "
+                                f"(audit {status.state})")
         try:
             data = record.challenge.read_bytes()
         except OSError as err:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"the challenge file is unreadable: {err}")
+            raise StoreError(f"the challenge file is unreadable: {err}") from None
         return ovt_pb2.ChallengeReply(challenge=data)

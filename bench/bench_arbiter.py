@@ -36,9 +36,10 @@ from protocol.dispute.challenge import Challenge
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.job.create import build_job
+from protocol.job.faults import parse_fault
 from protocol.job.run import StoreSource, replay_job, run_job
 from protocol.job.store import JobStore
-from trainer_node.faults import TrainerFaults, parse_fault
+from trainer_node.faults import TrainerFaults
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 

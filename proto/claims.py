@@ -21,6 +21,8 @@ import grpc
 import safetensors
 import safetensors.torch
 
+from proto import ovt_pb2, ovt_pb2_grpc
+from proto.serving import job_id_of, rpc_errors
 from protocol.codec.state import encode_state, state_digest
 from protocol.commit.commitments import SignedCommitment
 from protocol.commit.data import commit_dataset
@@ -28,22 +30,16 @@ from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree, verify_inclusion
 from protocol.engine.batches import batch_indices
 from protocol.engine.profiles import Profile
-from protocol.errors import OvtError, StoreError
+from protocol.errors import NotFoundError, OutOfRangeError, OvtError, PeerError, RefusedError
 from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
-
-from . import ovt_pb2, ovt_pb2_grpc
 
 CHUNK_BYTES = 1 << 20
 MAX_RANGE = 10_000
 LEAF_WINDOW = 64  # leaves RemoteClaims fetches per streamed GetLeaves
 DEFAULT_DEADLINE_S = 30.0
 _REGEN_PROFILE = Profile("regenerate")  # a node regenerating its own S_t: its own hardware
-
-
-class PeerError(OvtError):
-    """A peer that answered wrongly, not at all, or with something that does not verify."""
 
 
 class StoreDirectory:
@@ -73,6 +69,7 @@ class StoreDirectory:
 LeafFault = Callable[[int, "ovt_pb2.LeafReply", grpc.ServicerContext], "ovt_pb2.LeafReply"]
 
 
+@rpc_errors
 class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     """The Claims service over the stores under one directory.
 
@@ -99,55 +96,51 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
 
     # -- validation ----------------------------------------------------------------------------
 
-    def _store(self, job_id: bytes, context) -> JobStore:
-        if len(job_id) != 32:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 32 bytes")
-        store = self.stores.get(job_id)
+    def _store(self, job_id: bytes) -> JobStore:
+        store = self.stores.get(job_id_of(job_id))
         if store is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id.hex()}")
+            raise NotFoundError(f"unknown job {job_id.hex()}")
         return store
 
-    def _step(self, store: JobStore, step: int, context, *, allow_zero: bool = True) -> int:
+    def _step(self, store: JobStore, step: int, *, allow_zero: bool = True) -> int:
         last = store.last_step()
         if step > last or (step == 0 and not allow_zero):
-            context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                   f"step {step} is not available (steps {0 if allow_zero else 1}..{last})")
+            raise OutOfRangeError(f"step {step} is not available "
+                                  f"(steps {0 if allow_zero else 1}..{last})")
         return step
 
-    def _commitment(self, store: JobStore, n: int, context) -> SignedCommitment:
+    def _commitment(self, store: JobStore, n: int) -> SignedCommitment:
         signed = store.commitment(n or None)
         if signed is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                   "no commitment yet" if not n else f"no commitment over {n} steps")
+            raise RefusedError("no commitment yet" if not n else f"no commitment over {n} steps")
         return signed
 
     # -- RPCs ----------------------------------------------------------------------------------
 
     def GetSpec(self, request, context):
-        return ovt_pb2.SpecReply(spec=self._store(request.job_id, context).spec.to_bytes())
+        return ovt_pb2.SpecReply(spec=self._store(request.job_id).spec.to_bytes())
 
     def GetCommitment(self, request, context):
-        store = self._store(request.job_id, context)
+        store = self._store(request.job_id)
         return ovt_pb2.CommitmentReply(
-            signed_commitment=self._commitment(store, request.n, context).to_bytes())
+            signed_commitment=self._commitment(store, request.n).to_bytes())
 
     def GetLeaf(self, request, context):
-        store = self._store(request.job_id, context)
-        n = self._commitment(store, 0, context).commitment.n
+        store = self._store(request.job_id)
+        n = self._commitment(store, 0).commitment.n
         if request.step > n:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                   f"step {request.step} is beyond the committed {n} steps")
+            raise OutOfRangeError(f"step {request.step} is beyond the committed {n} steps")
         reply = self._leaf_reply(store, request.step, self._tree(store, n))
         if self.leaf_fault is not None:
             reply = self.leaf_fault(request.step, reply, context)
         return reply
 
     def GetLeaves(self, request, context):
-        store = self._store(request.job_id, context)
-        n = self._commitment(store, 0, context).commitment.n
+        store = self._store(request.job_id)
+        n = self._commitment(store, 0).commitment.n
         if request.first > request.last or request.last > n or \
                 request.last - request.first >= MAX_RANGE:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+            raise OutOfRangeError(
                    f"bad range {request.first}..{request.last} (committed steps 0..{n}, at "
                    f"most {MAX_RANGE} per call)")
         tree = self._tree(store, n)
@@ -155,31 +148,24 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
             yield self._leaf_reply(store, step, tree)
 
     def GetLog(self, request, context):
-        store = self._store(request.job_id, context)
-        self._step(store, request.step, context, allow_zero=False)
-        try:
-            return ovt_pb2.LogReply(log=store.log_bytes(request.step))
-        except StoreError as err:
-            context.abort(grpc.StatusCode.DATA_LOSS, str(err))
+        store = self._store(request.job_id)
+        self._step(store, request.step, allow_zero=False)
+        return ovt_pb2.LogReply(log=store.log_bytes(request.step))
 
     def GetCheckpoint(self, request, context):
-        store = self._store(request.job_id, context)
-        self._step(store, request.step, context)
+        store = self._store(request.job_id)
+        self._step(store, request.step)
         state = store.checkpoint(request.step)
         if state is None:  # not stored or damaged: regenerate from an earlier one (SPEC §4)
             ex = job_executor(store.spec, _REGEN_PROFILE)
-            try:
-                state = store.state_at(request.step, ex)
-            except StoreError as err:
-                context.abort(grpc.StatusCode.DATA_LOSS, str(err))
+            state = store.state_at(request.step, ex)
         yield from chunks(safetensors.torch.save(state))
 
     def GetBatch(self, request, context):
-        store = self._store(request.job_id, context)
+        store = self._store(request.job_id)
         spec = store.spec
         if not 1 <= request.step <= spec.steps:
-            context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                   f"step {request.step} is outside 1..{spec.steps}")
+            raise OutOfRangeError(f"step {request.step} is outside 1..{spec.steps}")
         source, tree, batch_size = self._data(spec)
         indices = batch_indices(spec.seed, len(source), batch_size, request.step)
         return ovt_pb2.BatchReply(examples=[

@@ -23,22 +23,41 @@ its certificate is its own CA, so a client passes the same cert.pem as `tls_ca`.
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import ipaddress
+import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health as health_servicer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protocol.errors import ConfigError
+from protocol.commit.hashing import HASH_SIZE
+from protocol.errors import (
+    ConfigError,
+    EncodingError,
+    NotFoundError,
+    OutOfRangeError,
+    OvtError,
+    ProgramError,
+    RefusedError,
+    RequestError,
+    ResourceLimitError,
+    StateFormatError,
+    StoreError,
+    UnavailableError,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
 AddServicer = Callable[[grpc.Server], None]
+T = TypeVar("T")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -190,3 +209,76 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# --- the one table from ovt's errors to gRPC status codes (SPEC §6: a peer's bad request is
+# answered with a status that says what was wrong, never UNKNOWN) ---------------------------
+
+STATUS_OF: dict[type[OvtError], grpc.StatusCode] = {
+    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    EncodingError: grpc.StatusCode.INVALID_ARGUMENT,
+    StateFormatError: grpc.StatusCode.INVALID_ARGUMENT,
+    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
+    RefusedError: grpc.StatusCode.FAILED_PRECONDITION,
+    ProgramError: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    StoreError: grpc.StatusCode.DATA_LOSS,
+    OvtError: grpc.StatusCode.INVALID_ARGUMENT,  # any other error a request caused
+}
+
+_log = logging.getLogger("ovt.rpc")
+
+
+def job_id_of(data: bytes) -> bytes:
+    """A request's job id field, checked to be a job id (RequestError otherwise)."""
+    if len(data) != HASH_SIZE:
+        raise RequestError(f"job_id must be {HASH_SIZE} bytes, got {len(data)}")
+    return data
+
+
+def status_of(err: OvtError) -> grpc.StatusCode:
+    """The status for `err`: that of its nearest class in STATUS_OF."""
+    return next(STATUS_OF[c] for c in type(err).__mro__ if c in STATUS_OF)
+
+
+def rpc_errors(servicer: type[T]) -> type[T]:
+    """Class decorator for a servicer: every RPC method (a public method whose name starts with
+    a capital, as gRPC names them) answers an `OvtError` with `status_of(err)` and its one-line
+    message, and an unexpected exception (a bug) with INTERNAL and one log line with the
+    traceback. A status the method set itself with `context.abort` passes through unchanged."""
+    for name, method in list(vars(servicer).items()):
+        if name[:1].isupper() and callable(method):
+            setattr(servicer, name, _mapped(method))
+    return servicer
+
+
+def _mapped(method: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except Exception as err:  # noqa: BLE001 - mapped or logged, never lost
+                _abort(err, context, method.__name__)
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as err:  # noqa: BLE001 - mapped or logged, never lost
+            _abort(err, context, method.__name__)
+    return unary
+
+
+def _abort(err: Exception, context: grpc.ServicerContext, rpc: str) -> None:
+    """Abort the call for `err` (re-raise it when the method already aborted the call)."""
+    if context.code() is not None:  # context.abort ran: its status stands
+        raise err
+    if isinstance(err, OvtError):
+        context.abort(status_of(err), str(err).splitlines()[0][:1000] if str(err) else rpc)
+    _log.error("%s: internal error", rpc, exc_info=err)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc} ({type(err).__name__})")

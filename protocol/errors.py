@@ -3,6 +3,10 @@
 Every error a user or a peer can cause is an `OvtError`: it explains itself in one line
 (`str(err)`) and carries an exit code, so the CLI catches `OvtError` in one place and never shows
 a traceback for a user mistake. Internal bugs stay ordinary exceptions.
+
+Daemons turn these errors into gRPC status codes in one place, at their edge
+(`proto.serving.STATUS_OF`, applied to every servicer by `proto.serving.rpc_errors`): a servicer
+raises the error that says what went wrong, never a status code.
 """
 
 from __future__ import annotations
@@ -115,3 +119,45 @@ class VerdictError(OvtError):
     decision that does not follow from the transcript and the re-execution, or re-execution
     evidence that does not reproduce the verdict's finding. One type, so a CLI catches it in one
     place; the message names the first check that failed and its cause."""
+
+
+# --- a peer's request, as a serving party judges it (mapped to gRPC codes in proto.serving) ---
+
+class RequestError(OvtError):
+    """A request that is malformed: a field of the wrong size or shape, a stream out of order."""
+
+
+class NotFoundError(OvtError):
+    """A request about a job (or an audit, a challenge) this party does not hold."""
+
+
+class OutOfRangeError(OvtError):
+    """A request for a step or range this party does not have (not yet, or not in the job)."""
+
+
+class RefusedError(OvtError):
+    """A well-formed request this party will not serve in its present state: no commitment
+    yet, a program it does not allow, a store that holds another job under the same id."""
+
+
+class ResourceLimitError(OvtError):
+    """A request beyond a documented per-peer limit (queued jobs, bytes, concurrent streams)."""
+
+
+class UnavailableError(OvtError):
+    """This party is shutting down and takes no new work."""
+
+
+# --- a peer's answer, as the asking party judges it ---
+
+class PeerError(OvtError):
+    """A peer that answered wrongly, not at all, or with something that does not verify."""
+
+
+class NoAnswer(PeerError):
+    """A party to a dispute did not answer, or answered with something that is not an answer
+    at all (the arbiter records it as that party's failure, never as its own)."""
+
+
+class ArbiterError(OvtError):
+    """The arbiter itself failed (not a party): no verdict can be signed."""

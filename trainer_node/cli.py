@@ -26,17 +26,16 @@ from pathlib import Path
 import grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import PeerError
 from proto.serving import make_channel, make_self_signed_cert
+from proto.submit import submit_job
 from protocol.cli.commands import run_command
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, PeerError
 from protocol.files import atomic_write
+from protocol.job.faults import Fault, parse_fault
 
-from .client import submit_job
 from .faults import KINDS as FAULT_KINDS
-from .faults import Fault, parse_fault
 from .server import TrainerConfig, TrainerNode
 
 EXIT_FAILED = 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from proto.claims import StoreDirectory
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import OvtError
+from protocol.errors import OvtError, ResourceLimitError
 from protocol.job.run import StepHooks, run_job
 from protocol.job.store import JobStore
 
@@ -42,10 +42,6 @@ class JobStatus:
     @property
     def finished(self) -> bool:
         return self.state in (DONE, FAILED)
-
-
-class QueueFullError(OvtError):
-    """Too many jobs are waiting to train; try again later."""
 
 
 class _StopRequested(Exception):
@@ -105,10 +101,10 @@ class JobRunner:
 
     def submit(self, store: JobStore) -> JobStatus:
         """Queue a job (idempotent: a queued, running or done job keeps its status; a failed
-        one is queued again). Raises QueueFullError when MAX_QUEUED jobs wait already."""
+        one is queued again). Raises ResourceLimitError when MAX_QUEUED jobs wait already."""
         with self._changed:
             if not self.accepts(store.spec.job_id):
-                raise QueueFullError(f"{MAX_QUEUED} jobs are already waiting to train")
+                raise ResourceLimitError(f"{MAX_QUEUED} jobs are already waiting to train")
             self.stores.add(store)
             current = self._status.get(store.spec.job_id)
             if current is not None and current.state != FAILED:

@@ -18,8 +18,9 @@ from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.job.faults import Fault
 
-from .faults import Fault, TrainerFaults
+from .faults import TrainerFaults
 from .runner import JobRunner
 from .service import DEFAULT_MAX_STATE_BYTES, TrainerServicer
 

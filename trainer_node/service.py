@@ -21,25 +21,37 @@ import threading
 from collections.abc import Collection
 from pathlib import Path
 
-import grpc
 import safetensors
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import PeerError, join_chunks
+from proto.claims import join_chunks
+from proto.serving import job_id_of, rpc_errors
 from protocol.codec.state import state_digest
 from protocol.engine.programs.registry import require_allowed
-from protocol.errors import ConfigError, OvtError, ProgramError, StoreError
+from protocol.errors import (
+    ConfigError,
+    NotFoundError,
+    OvtError,
+    PeerError,
+    ProgramError,
+    RefusedError,
+    RequestError,
+    ResourceLimitError,
+    StoreError,
+    UnavailableError,
+)
 from protocol.job.create import load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
-from .runner import MAX_QUEUED, JobRunner, JobStatus, QueueFullError
+from .runner import MAX_QUEUED, JobRunner, JobStatus
 
 WATCH_POLL_S = 1.0  # how often a Watch checks that its client is still there
 DEFAULT_MAX_STATE_BYTES = 8 << 30  # the largest S_0 SubmitStream takes (it is held in memory)
 
 
+@rpc_errors
 class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     """Submit / Status / Watch over a `JobRunner` whose stores live under `root`.
 
@@ -55,65 +67,61 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         self._submit_lock = threading.Lock()
 
     def Submit(self, request, context):
-        self._require_running(context)
-        spec = self._spec(request.spec, context)
-        state0 = self._initial_state(request.initial_state, spec, context)
-        self._check_program(spec, context)
-        return self._submit(spec, state0, context)
+        self._require_running()
+        spec = self._spec(request.spec)
+        state0 = self._initial_state(request.initial_state, spec)
+        self._check_program(spec)
+        return self._submit(spec, state0)
 
     def SubmitStream(self, request_iterator, context):
         """Submit with S_0 streamed in chunks. The spec (first part) is checked, program
         included, before a byte of S_0 is accepted; S_0 may be at most `max_state_bytes`."""
-        self._require_running(context)
+        self._require_running()
         parts = iter(request_iterator)
         first = next(parts, None)
         if first is None or not first.spec:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "the first part of SubmitStream must carry the job spec")
-        spec = self._spec(first.spec, context)
-        self._check_program(spec, context)
+            raise RequestError("the first part of SubmitStream must carry the job spec")
+        spec = self._spec(first.spec)
+        self._check_program(spec)
 
         def state_chunks():
             if first.HasField("initial_state"):
                 yield first.initial_state
             for part in parts:
                 if part.spec:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "only the first part of SubmitStream may carry a spec")
+                    raise RequestError("only the first part of SubmitStream may carry a spec")
                 yield part.initial_state
 
         try:
             data = join_chunks(state_chunks(), self.max_state_bytes)
         except PeerError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"initial_state: {err}")
-        return self._submit(spec, self._initial_state(data, spec, context), context)
+            raise RequestError(f"initial_state: {err}") from None
+        return self._submit(spec, self._initial_state(data, spec))
 
-    def _submit(self, spec: JobSpec, state0, context) -> ovt_pb2.SubmitReply:
+    def _submit(self, spec: JobSpec, state0) -> ovt_pb2.SubmitReply:
         with self._submit_lock:  # one store creation per job, however many clients submit it
             if not self.runner.accepts(spec.job_id):  # before anything is written to disk
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{MAX_QUEUED} jobs are already waiting; submit again later")
+                raise ResourceLimitError(f"{MAX_QUEUED} jobs are already waiting; submit again "
+                                         f"later")
             try:
                 store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
                 if store.last_step() < 0:
                     store.put_initial(state0)
                 self.runner.submit(store)
-            except StoreError as err:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-            except QueueFullError as err:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            except StoreError as err:  # the store holds another job under this id
+                raise RefusedError(str(err)) from None
         return ovt_pb2.SubmitReply(job_id=spec.job_id)
 
     def Status(self, request, context):
-        return _to_message(self._status(request.job_id, context))
+        return _to_message(self._status(request.job_id))
 
     def Watch(self, request, context):
-        status = self._status(request.job_id, context)
+        status = self._status(request.job_id)
         yield _to_message(status)
         while not status.finished and context.is_active():
             if self.runner.stopping:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              "the trainer is shutting down; the job resumes when it restarts")
+                raise UnavailableError("the trainer is shutting down; the job resumes when it "
+                                       "restarts")
             latest = self.runner.wait_for_change(request.job_id, status, WATCH_POLL_S)
             if latest != status:
                 status = latest
@@ -121,42 +129,38 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
 
     # -- validation ----------------------------------------------------------------------------
 
-    def _require_running(self, context) -> None:
+    def _require_running(self) -> None:
         if self.runner.stopping:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the trainer is shutting down")
+            raise UnavailableError("the trainer is shutting down")
 
     @staticmethod
-    def _spec(data: bytes, context) -> JobSpec:
+    def _spec(data: bytes) -> JobSpec:
         try:
             return JobSpec.from_bytes(data)
         except OvtError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad job spec: {err}")
+            raise RequestError(f"bad job spec: {err}") from None
 
     @staticmethod
-    def _initial_state(data: bytes, spec: JobSpec, context):
+    def _initial_state(data: bytes, spec: JobSpec):
         try:
             state = safetensors.torch.load(data)
         except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"initial_state is not safetensors: {_one_line(err)}")
+            raise RequestError(f"initial_state is not safetensors: {_one_line(err)}") from None
         if state_digest(state) != spec.h0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "initial_state does not hash to the job's h_0")
+            raise RequestError("initial_state does not hash to the job's h_0")
         return state
 
-    def _check_program(self, spec: JobSpec, context) -> None:
+    def _check_program(self, spec: JobSpec) -> None:
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
             load_job_program(spec)
         except (ProgramError, ConfigError) as err:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, _one_line(err))
+            raise RefusedError(_one_line(err)) from None
 
-    def _status(self, job_id: bytes, context) -> JobStatus:
-        if len(job_id) != 32:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 32 bytes")
-        status = self.runner.status(job_id)
+    def _status(self, job_id: bytes) -> JobStatus:
+        status = self.runner.status(job_id_of(job_id))
         if status is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job_id.hex()}")
+            raise NotFoundError(f"unknown job {job_id.hex()}")
         return status
 
 

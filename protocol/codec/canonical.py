@@ -119,21 +119,21 @@ def _canonical(value: object, depth: int) -> object:
     """`value` rebuilt with plain lists and key-sorted dicts, every element checked."""
     kind = type(value)
     if kind in _SCALARS:
-        if kind is str:
+        if type(value) is str:
             value.encode("utf-8")  # raises UnicodeEncodeError (a ValueError) on a lone surrogate
         return value
-    if kind is int:
+    if type(value) is int:
         if not INT_MIN <= value <= INT_MAX:
             raise ValueError(f"int {value} is outside the encodable range [-2**63, 2**64-1]")
         return value
-    if kind is float:
+    if type(value) is float:
         if math.isnan(value):
             raise ValueError("NaN cannot be encoded (it has no single canonical form)")
         return value
-    if kind is list or kind is tuple or kind is dict:
+    if type(value) is list or type(value) is tuple or type(value) is dict:
         if depth >= MAX_DEPTH:
             raise ValueError(f"value nested deeper than {MAX_DEPTH} levels")
-        if kind is dict:
+        if type(value) is dict:
             return _canonical_map(value, depth)
         return [_canonical(item, depth + 1) for item in value]
     raise TypeError(f"cannot encode a {kind.__name__}: allowed are None, bool, int, float, str, "

@@ -47,7 +47,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of `t` in logical row-major order, zero-copy on CPU."""
     t = t.detach().to("cpu").contiguous().reshape(-1)  # 1-D: memoryview cannot cast (0, 7)
     t = t.view(_BYTE_VIEW.get(t.dtype, t.dtype))
-    return memoryview(t.numpy()).cast("B")
+    return t.numpy().data.cast("B")
 
 
 def _chunks(state: State) -> Iterator[bytes | memoryview]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.codec.fields import abbrev
-from protocol.dispute.game import KINDS, GameState, dispute, is_over
+from protocol.dispute.game import KINDS, GameState, dispute
 from protocol.dispute.reexecute import Reexecution
 
 REEXECUTION_FINDINGS = ("withheld", "invalid-log", "false-challenge", "wrong-state",
@@ -64,9 +64,9 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
         raise TypeError(f"expected a GameState, not {type(game).__name__}")
     if reexec is not None and not isinstance(reexec, Reexecution):
         raise TypeError(f"expected a Reexecution or None, not {type(reexec).__name__}")
-    if not is_over(game):
-        raise ValueError("the game is still running: a verdict needs a finished game")
     outcome = game.outcome
+    if outcome is None:
+        raise ValueError("the game is still running: a verdict needs a finished game")
     if outcome.kind != "disagreed-at":
         # SPEC §5.4: a party that failed to answer, sent a bad proof or contradicted its signed
         # root is at fault; the game already decided who.
@@ -76,6 +76,7 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
         return Finding(outcome.fault, outcome.kind, outcome.step, outcome.reason)
 
     d = dispute(game)
+    assert d is not None  # the game ended "disagreed-at", so a step is disputed
     i = d.step
     if reexec is None:
         raise ValueError(f"step {i} is disputed: the verdict needs its re-execution")
@@ -85,6 +86,7 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
         raise ValueError(f"the re-execution of step {i} ran on bad evidence ({reexec.detail}); "
                          f"fetch the evidence again: no verdict may rest on it")
     if reexec.finding == "withheld":
+        assert reexec.withheld_by is not None  # Reexecution requires it for "withheld"
         who = "both parties" if reexec.withheld_by == "both" else f"the {reexec.withheld_by}"
         return Finding(reexec.withheld_by, "withheld", i,
                        f"step {i}: {who} did not serve the evidence re-execution needs "
@@ -94,6 +96,7 @@ def decide(game: GameState, reexec: Reexecution | None) -> Finding:
                        f"step {i}: the trainer's rounding log L_{i} (ℓ_{i} = "
                        f"{abbrev(d.trainer.log_hash)}) is invalid: {reexec.detail}")
     h_star, trainer_h = reexec.state_hash, d.trainer.state_hash
+    assert h_star is not None  # "computed" is the finding left; Reexecution requires its hash
     if d.auditor is None:  # the auditor could not replay step i at all (module docstring)
         if h_star == trainer_h:
             return Finding("none", "not-upheld", i,

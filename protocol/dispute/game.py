@@ -331,9 +331,9 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
     for name, value in (("trainer", trainer), ("auditor", auditor)):
         if not isinstance(value, SignedCommitment):
             raise TypeError(f"{name} must be a SignedCommitment, not {type(value).__name__}")
-    for name, value in (("trainer_key", trainer_key), ("auditor_key", auditor_key)):
-        if type(value) is not bytes:
-            raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
+    for name, key in (("trainer_key", trainer_key), ("auditor_key", auditor_key)):
+        if type(key) is not bytes:
+            raise TypeError(f"{name} must be bytes, not {type(key).__name__}")
     if type(challenge_step) is not int:
         raise TypeError(f"challenge_step must be an int, not {type(challenge_step).__name__}")
     if not isinstance(trainer_leaf, Claim):
@@ -341,9 +341,9 @@ def start(spec: JobSpec, trainer: SignedCommitment, auditor: SignedCommitment,
     if auditor_leaf is not None and not isinstance(auditor_leaf, Claim):
         raise TypeError(f"auditor_leaf must be a Claim or None, not "
                         f"{type(auditor_leaf).__name__}")
-    for name, value in (("trainer_leaf0", trainer_leaf0), ("auditor_leaf0", auditor_leaf0)):
-        if not isinstance(value, Claim):
-            raise TypeError(f"{name} must be a Claim, not {type(value).__name__}")
+    for name, leaf0 in (("trainer_leaf0", trainer_leaf0), ("auditor_leaf0", auditor_leaf0)):
+        if not isinstance(leaf0, Claim):
+            raise TypeError(f"{name} must be a Claim, not {type(leaf0).__name__}")
     now = _time(now, "now")
     deadline_s = _time(deadline_s, "deadline_s")
     if not deadline_s > 0:
@@ -454,10 +454,12 @@ def receive(state: GameState, party: str, data: bytes, length: int, now: float) 
     require_question(state)
     require_not_answered(state, party)
     require_clock(state, now)
-    step = state.question
+    step, asked_at = state.question, state.asked_at
+    # require_question above; `ask` sets question and asked_at together, `_decide` clears both
+    assert step is not None and asked_at is not None
     state = _record(state, Answer(party, step, now, data if length <= MAX_ANSWER_BYTES else b"",
                                   length), now)
-    if now > state.asked_at + state.deadline_s:
+    if now > asked_at + state.deadline_s:
         return _silent_lose(state)
     if length > MAX_ANSWER_BYTES:
         return _lose(state, party, "malformed", f"the {party}'s answer is {length} bytes, over "
@@ -474,7 +476,10 @@ def receive(state: GameState, party: str, data: bytes, length: int, now: float) 
     except (ProofError, SignatureError) as err:
         return _lose(state, party, "bad-proof", f"the {party}'s leaf {step} does not verify "
                                                 f"under its signed root: {err}")
-    state = replace(state, **{f"{party}_answer": claim.leaf})
+    if party == TRAINER:
+        state = replace(state, trainer_answer=claim.leaf)
+    else:
+        state = replace(state, auditor_answer=claim.leaf)
     if needs_answer_from(state):
         return state
     return _decide(state)
@@ -483,6 +488,8 @@ def receive(state: GameState, party: str, data: bytes, length: int, now: float) 
 def _decide(state: GameState) -> GameState:
     """Both valid answers to the question are in: move lo or hi, and end at hi - lo == 1."""
     step, t, a = state.question, state.trainer_answer, state.auditor_answer
+    # `receive` calls this only once both valid answers to the outstanding question are in
+    assert step is not None and t is not None and a is not None
     lo, hi, agreed_leaf = state.lo, state.hi, state.agreed
     trainer_hi, auditor_hi = state.trainer_hi, state.auditor_hi
     agreed = t == a
@@ -540,7 +547,7 @@ def _silent_lose(state: GameState) -> GameState:
     who = "both" if len(silent) == 2 else silent[0]
     return _end(state, who, "timeout", state.question,
                 f"no answer from the {' or the '.join(silent)} on leaf {state.question} by the "
-                f"deadline {state.asked_at + state.deadline_s}")
+                f"deadline {deadline(state)}")
 
 
 def _lose(state: GameState, party: str, kind: str, reason: str) -> GameState:
@@ -571,7 +578,7 @@ def _require_state(state: object) -> None:
 
 
 def _time(value: object, name: str) -> float:
-    if type(value) not in (int, float):
+    if type(value) is not int and type(value) is not float:
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,9 @@ def check_state(dispute: Dispute, state: object) -> tuple[bytes | None, str | No
     """S_{i-1} against the agreed h_{i-1}, and its step counter against i - 1 (SPEC §5.3).
     Returns (its digest, or None if it cannot be hashed; the problem, or None if it is good)."""
     step = dispute.step
+    if not isinstance(state, Mapping):
+        return None, f"S_{step - 1} cannot be hashed as a state: a {type(state).__name__} is " \
+                     f"not a mapping"
     try:
         digest = state_digest(state)
     except (TypeError, AttributeError, ValueError, RuntimeError) as err:

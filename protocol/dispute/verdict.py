@@ -211,6 +211,8 @@ def verify_verdict(data: bytes, *, arbiter_key: bytes | None = None) -> Verdict:
                            f"{asked}")
     reexec, d = verdict.reexecution, dispute(game)
     if reexec is not None and reexec.finding in ("computed", "invalid-log"):
+        if d is None:  # `decide` above refuses a re-execution when no step is disputed
+            raise VerdictError("the verdict records a re-execution but no step is disputed")
         # SPEC §5.3: h_i* counts only if computed from S_{i-1} with the agreed h_{i-1} and the
         # trainer's L_i with its committed ℓ_i.
         if reexec.prev_state_hash != d.agreed.state_hash:
@@ -305,7 +307,8 @@ def _metrics(name: str, value: object, kind: type) -> dict:
         if type(key) is not str or not 1 <= len(key) <= MAX_METRIC_NAME:
             raise EncodingError(f"verdict {name} keys must be names of 1..{MAX_METRIC_NAME} "
                                 f"characters")
-        if type(item) is not kind or not math.isfinite(item) or item < 0 \
+        if type(item) is not kind or not isinstance(item, int | float) \
+                or not math.isfinite(item) or item < 0 \
                 or (kind is int and item > MAX_UINT):
             raise EncodingError(f"verdict {name}[{key!r}] must be a non-negative finite "
                                 f"{kind.__name__}, got {item!r}")

@@ -125,7 +125,9 @@ class Executor:
         self.dtype = torch.float64 if mode == "plain64" else policy.target
         self.model = program.model.to(device=self.device, dtype=self.dtype)
         if profile.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
+            # nn.Module.to accepts memory_format at runtime; torch's overloads for it omit it
+            self.model = self.model.to(  # type: ignore[call-overload]
+                memory_format=torch.channels_last)
         self.optimizer = program.make_optimizer(self.model.parameters())
         _use_foreach(self.optimizer)
         self._names = {id(p): n for n, p in self.model.named_parameters()}

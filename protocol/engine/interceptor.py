@@ -19,6 +19,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -192,7 +193,9 @@ class RoundingMode(TorchDispatchMode):
     def _round_results(self, op: str, out, writes: list, ieee: bool):
         write_of = {id(wide): orig for orig, wide in writes}
         leaves, spec = tree_flatten(out)
-        ys, slots = [], []  # per leaf: index into ys, the written original, or the leaf itself
+        # per leaf: index into ys, the written original, or the leaf itself
+        ys: list[torch.Tensor] = []
+        slots: list[tuple[str, Any]] = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and id(leaf) in write_of:
                 slots.append(("orig", write_of[id(leaf)]))

@@ -69,10 +69,10 @@ class PrecisionPolicy:
             names = ", ".join(f"{dtype_name(c)}->{dtype_name(t)}" for c, t in _FORMATS)
             raise ConfigError(f"unsupported precision policy {dtype_name(self.compute)}->"
                               f"{dtype_name(self.target)}; supported: {names}")
-        if self.tau is None:
-            object.__setattr__(self, "tau", DEFAULT_TAU[pair])
-        if not (0.0 < self.tau <= 0.25):
-            raise ConfigError(f"tau must be in (0, 0.25] target ULPs, got {self.tau}")
+        tau = DEFAULT_TAU[pair] if self.tau is None else self.tau
+        object.__setattr__(self, "tau", tau)
+        if not (0.0 < tau <= 0.25):
+            raise ConfigError(f"tau must be in (0, 0.25] target ULPs, got {tau}")
         if not (0.0 <= self.tau_ieee <= 0.25):
             raise ConfigError(f"tau_ieee must be in [0, 0.25] target ULPs, got {self.tau_ieee}")
 
@@ -93,6 +93,7 @@ class PrecisionPolicy:
         return _FORMATS[(self.compute, self.target)]
 
     def tau_for(self, ieee: bool) -> float:
+        assert self.tau is not None  # __post_init__ replaces None with the pair's default
         return self.tau_ieee if ieee else self.tau
 
     def band(self, tau: float) -> int:

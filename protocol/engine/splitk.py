@@ -13,7 +13,9 @@ Ops it does not know run natively; so does any op whose reduced dimension is too
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,7 +43,7 @@ class SplitK:
         if chunks < 2:
             raise ValueError("split-K needs at least two chunks")
         self.seed, self.chunks = seed, chunks
-        self._handlers = {
+        self._handlers: dict[object, Callable[..., Any]] = {
             aten.mm.default: self._mm, aten.addmm.default: self._addmm,
             aten.bmm.default: self._bmm, aten.convolution.default: self._convolution,
             aten.convolution_backward.default: self._convolution_backward,

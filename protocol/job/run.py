@@ -64,6 +64,13 @@ def _hooked_step(ex: Executor, hooks: StepHooks, t: int,
     return ex.step(log, examples=hooks.examples(t, ex.examples(t)))
 
 
+def _recorded_log(result: StepResult) -> bytes:
+    """L_t's bytes: the log a step run without one recorded (record mode, SPEC §3.2)."""
+    if result.log is None:  # only a non-"ovt" executor records nothing; job executors are "ovt"
+        raise AssertionError(f"step {result.step} recorded no rounding log")
+    return encode_log(result.log)
+
+
 def _executor(spec: JobSpec, profile: Profile) -> Executor:
     return job_executor(spec, profile)
 
@@ -94,10 +101,10 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
     for t in range(last + 1, spec.steps + 1):
         if hooks is None:
             result = ex.step()
-            store.append_step(t, ex.state(), encode_log(result.log))
+            store.append_step(t, ex.state(), _recorded_log(result))
         else:
             result = _hooked_step(ex, hooks, t, None)
-            store.append_step(t, *hooks.after(t, ex, encode_log(result.log)))
+            store.append_step(t, *hooks.after(t, ex, _recorded_log(result)))
         if t % spec.commit_interval == 0 and t != spec.steps:
             _commit(store, key, "trainer", t)
         if progress:

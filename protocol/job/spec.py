@@ -33,6 +33,8 @@ class JobSpec:
     protocol_version: int = field(default=PROTOCOL_VERSION)
 
     def to_body(self) -> dict:
+        tau = self.policy.tau
+        assert tau is not None  # PrecisionPolicy.__post_init__ replaces None with the default
         return {
             "protocol_version": self.protocol_version,
             "program": self.program,
@@ -44,7 +46,7 @@ class JobSpec:
             "seed": self.seed,
             "precision": {"compute": dtype_name(self.policy.compute),
                           "target": dtype_name(self.policy.target),
-                          "tau": float(self.policy.tau), "tau_ieee": float(self.policy.tau_ieee)},
+                          "tau": float(tau), "tau_ieee": float(self.policy.tau_ieee)},
             "checkpoint_interval": self.checkpoint_interval,
             "commit_interval": self.commit_interval,
         }
@@ -71,8 +73,9 @@ class JobSpec:
         return spec
 
     @classmethod
-    def _from_body(cls, body: dict) -> JobSpec:
-        _require(isinstance(body, dict), "job spec must be a map")
+    def _from_body(cls, body: object) -> JobSpec:
+        if not isinstance(body, dict):
+            raise EncodingError("job spec must be a map")
         if body["protocol_version"] != PROTOCOL_VERSION:
             raise EncodingError(f"job spec has protocol version {body['protocol_version']}, "
                                 f"this ovt speaks {PROTOCOL_VERSION}")

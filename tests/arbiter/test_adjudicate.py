@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from arbiter.adjudicate import ArbiterError
-from arbiter.parties import NoAnswer, StoreParty
+from arbiter.parties import StoreParty
 from auditor_node.audit import own_claim
 from auditor_node.faults import AuditorFaults
 from protocol.commit.commitments import Claim, Commitment, sign_commitment
@@ -18,8 +17,9 @@ from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
 from protocol.dispute.challenge import Challenge
-from protocol.errors import ConfigError
-from trainer_node.faults import TrainerFaults, parse_fault
+from protocol.errors import ArbiterError, ConfigError, NoAnswer
+from protocol.job.faults import parse_fault
+from trainer_node.faults import TrainerFaults
 
 from .conftest import STEPS, audit, settle, train
 

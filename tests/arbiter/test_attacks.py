@@ -17,7 +17,8 @@ import pytest
 from auditor_node.faults import AuditorFaults
 from protocol.dispute.verdict import verify_verdict
 from protocol.engine.profiles import Profile
-from trainer_node.faults import TrainerFaults, parse_fault
+from protocol.job.faults import parse_fault
+from trainer_node.faults import TrainerFaults
 
 from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train
 

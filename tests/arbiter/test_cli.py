@@ -14,7 +14,8 @@ from arbiter.cli import main
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from protocol.dispute.verdict import verify_verdict
-from trainer_node.faults import TrainerFaults, parse_fault
+from protocol.job.faults import parse_fault
+from trainer_node.faults import TrainerFaults
 
 from .conftest import audit, tiny_job, train
 

@@ -14,11 +14,11 @@ from auditor_node.audit import CHALLENGE_FILE, DIVERGED, MATCHED, run_audit
 from auditor_node.cli import main
 from auditor_node.leafcache import CACHE_FILE
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import ClaimsServicer, PeerError, StoreDirectory
+from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import build_server, make_self_signed_cert
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
-from protocol.errors import EncodingError, OvtError
+from protocol.errors import EncodingError, OvtError, PeerError
 from protocol.job.store import JobStore
 
 from .conftest import AUDITOR_PROFILE, FALSIFIED_STEP, STEPS, Counting, serve_claims

@@ -16,8 +16,8 @@ from auditor_node.server import AuditorNode
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.errors import ConfigError
+from protocol.job.faults import Fault
 from protocol.job.store import JobStore
-from trainer_node.faults import Fault
 
 from .conftest import AUDITOR_PROFILE
 

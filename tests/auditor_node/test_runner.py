@@ -11,9 +11,9 @@ import pytest
 from auditor_node.audit import AuditRecord
 from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
 from auditor_node.service import report
-from proto.claims import PeerError
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.errors import PeerError
 
 JOB = bytes(range(32))
 OTHER = bytes(32)

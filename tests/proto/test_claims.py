@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import ClaimsServicer, PeerError, RemoteClaims, StoreDirectory, join_chunks
+from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory, join_chunks
 from protocol.codec.state import decode_state
 from protocol.commit.data import ProvenExample, verify_examples
 from protocol.commit.keys import KeyPair
@@ -18,6 +18,7 @@ from protocol.commit.leaf import Leaf
 from protocol.engine.batches import batch_indices
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.errors import PeerError
 from protocol.job.create import build_job
 from protocol.job.run import replay_job, run_job
 from protocol.job.store import JobStore

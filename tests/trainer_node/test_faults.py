@@ -24,19 +24,13 @@ from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, ProofError
 from protocol.job.create import build_job, job_executor
+from protocol.job.faults import ALL_KINDS, TRAINING_KINDS, Fault, parse_fault
 from protocol.job.run import StepHooks, StoreSource, replay_job, run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 from tests.auditor_node.conftest import serve_claims
 from trainer_node.cli import main
-from trainer_node.faults import (
-    ALL_KINDS,
-    KINDS,
-    TRAINING_KINDS,
-    Fault,
-    TrainerFaults,
-    parse_fault,
-)
+from trainer_node.faults import KINDS, TrainerFaults
 from trainer_node.server import TrainerConfig, TrainerNode
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

@@ -13,9 +13,10 @@ from proto.claims import StoreDirectory
 from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.errors import ResourceLimitError
 from protocol.job.create import build_job
 from protocol.job.store import JobStore
-from trainer_node.runner import JobRunner, QueueFullError
+from trainer_node.runner import JobRunner
 from trainer_node.server import TrainerConfig, TrainerNode
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
@@ -41,7 +42,7 @@ def test_the_runner_refuses_a_job_beyond_the_bound(tmp_path, monkeypatch):
     runner.submit(first)
     runner.submit(second)  # the worker is not started: both wait
     assert not runner.accepts(third.spec.job_id)
-    with pytest.raises(QueueFullError, match="2 jobs are already waiting"):
+    with pytest.raises(ResourceLimitError, match="2 jobs are already waiting"):
         runner.submit(third)
     assert runner.status(third.spec.job_id) is None
     assert runner.accepts(first.spec.job_id)  # a job it holds is still taken, idempotently

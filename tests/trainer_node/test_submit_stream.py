@@ -11,11 +11,11 @@ import pytest
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
+from proto.submit import submit_job, submit_parts
 from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.job.create import build_job
-from trainer_node.client import submit_job, submit_parts
 from trainer_node.server import TrainerConfig, TrainerNode
 
 from .daemon import watch_until

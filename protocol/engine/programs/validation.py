@@ -11,11 +11,14 @@ import dataclasses
 import math
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocol.errors import ConfigError
 
-C = TypeVar("C")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+C = TypeVar("C", bound="DataclassInstance")
 
 
 def config_from_mapping(cls: type[C], mapping: Mapping[str, Any] | None, program: str) -> C:
