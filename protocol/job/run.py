@@ -25,9 +25,8 @@ from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.engine.executor import Executor, StepResult
 from protocol.engine.profiles import Profile
-from protocol.errors import LogMismatchError, LogViolationError, StoreError
+from protocol.errors import LogFormatError, LogMismatchError, LogViolationError, StoreError
 from protocol.job.create import job_executor
-from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 Progress = Callable[[int, int], None]
@@ -71,9 +70,6 @@ def _recorded_log(result: StepResult) -> bytes:
     return encode_log(result.log)
 
 
-def _executor(spec: JobSpec, profile: Profile) -> Executor:
-    return job_executor(spec, profile)
-
 
 def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitment:
     tree = store.tree(n)
@@ -96,7 +92,7 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
     last = store.last_step()
     if last < 0:
         raise StoreError("the job store holds no initial state; store S_0 first (put_initial)")
-    ex = _executor(spec, profile)
+    ex = job_executor(spec, profile)
     store.state_at(last, ex)
     for t in range(last + 1, spec.steps + 1):
         if hooks is None:
@@ -181,7 +177,7 @@ def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: P
             raise StoreError("the trainer's S_0 does not hash to the job's h_0")
         store.put_initial(state0)
     last = store.last_step()
-    ex = _executor(spec, profile)
+    ex = job_executor(spec, profile)
     store.state_at(last, ex)
     divergent, reason = _first_mismatch(store, source, last)
     t = last
@@ -214,7 +210,9 @@ def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int,
             ex.step(decode_log(data))
         else:
             _hooked_step(ex, hooks, t, decode_log(data))
-    except (LogViolationError, LogMismatchError) as err:
+    except (LogFormatError, LogViolationError, LogMismatchError) as err:
+        # An undecodable log is as invalid as a violating one: the arbiter rules invalid-log
+        # (SPEC §5.4), so the audit must end in a challenge, not a failure.
         return t, f"the trainer's rounding log is invalid: {err}"
     state, data = (ex.state(), data) if hooks is None else hooks.after(t, ex, data)
     leaf = store.append_step(t, state, data)

@@ -18,6 +18,7 @@ from auditor_node.faults import AuditorFaults
 from protocol.dispute.verdict import verify_verdict
 from protocol.engine.profiles import Profile
 from protocol.job.faults import parse_fault
+from protocol.job.run import StepHooks
 from trainer_node.faults import TrainerFaults
 
 from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train
@@ -50,6 +51,29 @@ def test_a_cheating_trainer_is_at_fault_at_its_step(job, tmp_path, kind, positio
     result = settle(dispute)
     _assert_verdict(result, "trainer", position)
     assert result.verdict.finding == TRAINING_CHEATS[kind]
+
+
+class UndecodableLog(StepHooks):
+    """A trainer that commits to a rounding log that does not decode at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after(self, t, ex, log):
+        return ex.state(), (b"not a rounding log" if t == self.step else log)
+
+
+@pytest.mark.parametrize("position", (1, STEPS))
+def test_an_undecodable_log_is_challenged_and_ruled_invalid_log(job, tmp_path, position):
+    # Regression (hostile-peer finding 2): the audit caught LogViolationError and
+    # LogMismatchError but not LogFormatError, so it ended FAILED and the cheat escaped.
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0, hooks=UndecodableLog(position))
+    dispute = audit(tmp_path / "auditor", cheater)
+    assert dispute.challenge is not None and dispute.challenge.step == position
+    result = settle(dispute)
+    _assert_verdict(result, "trainer", position)
+    assert result.verdict.finding == "invalid-log"
 
 
 @pytest.mark.parametrize("position", POSITIONS)
