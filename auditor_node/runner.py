@@ -1,8 +1,9 @@
 """Audits from a queue, one at a time on one thread, with a status per job for watchers.
 
 `AuditRunner.submit` starts an audit, or joins the one already queued, running or decided for
-that job (a failed audit is started again). Each status change bumps the status's `version` and
-notifies `changed`, a `threading.Condition`, so `wait` can block until there is something new.
+that job (a failed audit is started again). Each status change bumps the status's `version`, so
+`wait` can block until there is something new; the queue, its worker thread and the wake-ups
+are the daemons' shared `protocol.job.queue.JobQueue`.
 
 The runner keeps two files per job in the auditor's store, both canonical bytes:
 `audit-request.ovt` (the trainer's address, written when the audit is queued) and `audit.ovt`
@@ -14,10 +15,7 @@ after its current step.
 
 from __future__ import annotations
 
-import dataclasses
-import queue
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -26,8 +24,9 @@ from pathlib import Path
 from protocol.codec.canonical import decode, encode
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError, OvtError, ResourceLimitError
+from protocol.errors import EncodingError, OvtError
 from protocol.files import atomic_write
+from protocol.job.queue import JobQueue, Stopped
 from protocol.job.run import StepHooks
 
 from .audit import DIVERGED, FAILED, MATCHED, AuditRecord, run_audit
@@ -36,10 +35,6 @@ QUEUED, RUNNING = "queued", "running"
 TERMINAL = (MATCHED, DIVERGED, FAILED)
 REQUEST_FILE, RECORD_FILE = "audit-request.ovt", "audit.ovt"
 MAX_PENDING = 64
-
-
-class _Stopped(Exception):
-    """Raised from the progress callback to interrupt a running audit at shutdown."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ class AuditStatus:
 
 
 class AuditRunner:
-    """Runs `run_audit` for queued jobs on one background thread (start with `start`)."""
+    """Runs `run_audit` for queued jobs on the shared job queue's worker (start with `start`)."""
 
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
@@ -75,31 +70,24 @@ class AuditRunner:
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
         self._audit = audit
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self._statuses: dict[bytes, AuditStatus] = {}
-        self.changed = threading.Condition()
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="audit-runner", daemon=True)
+        self._queue: JobQueue[AuditStatus] = JobQueue("audit-runner", self._run,
+                                                      max_waiting=MAX_PENDING, noun="audits")
 
     # -- life cycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
         self.store_root.mkdir(parents=True, exist_ok=True)
         self.recover()
-        self._thread.start()
+        self._queue.start()
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop after the current step of a running audit (it resumes on the next start)."""
-        self._stopping.set()
-        self._queue.put(None)
-        with self.changed:
-            self.changed.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def stop(self, timeout: float | None = None) -> bool:
+        """Stop after the current step of a running audit (it resumes on the next start);
+        True if the worker ended within `timeout` seconds."""
+        return self._queue.stop(timeout)
 
     @property
     def stopping(self) -> bool:
-        return self._stopping.is_set()
+        return self._queue.stopping
 
     def recover(self) -> None:
         """Load the verdicts in the store; queue the requested audits that have none."""
@@ -111,78 +99,56 @@ class AuditRunner:
                 print(f"ovt-auditor: ignoring {request}: {err}", file=sys.stderr)
                 continue
             record = _read_record(request.parent / RECORD_FILE)
-            with self.changed:
-                if record is None:
-                    self._statuses[job_id] = AuditStatus(job_id, trainer, QUEUED)
-                    self._queue.put(job_id)
-                else:
-                    self._statuses[job_id] = _finished(job_id, trainer, record, 0)
+            if record is None:
+                self._queue.enqueue(job_id, AuditStatus(job_id, trainer, QUEUED), resumed=True)
+            else:
+                self._queue.set(job_id, _finished(job_id, trainer, record, 0))
 
     # -- queries -------------------------------------------------------------------------------
 
     def submit(self, job_id: bytes, trainer: str) -> AuditStatus:
         """Queue an audit of `job_id` at `trainer`, or join the one already under way or decided
         (a failed one is queued again). Raises ResourceLimitError when MAX_PENDING are waiting."""
-        with self.changed:
-            current = self._statuses.get(job_id)
+        with self._queue.lock:
+            current = self._queue.get(job_id)
             if current is not None and current.state != FAILED:
                 return current
-            if self._queue.qsize() >= MAX_PENDING:
-                raise ResourceLimitError(f"{MAX_PENDING} audits are already waiting")
+            self._queue.require_room()  # before anything is written
             job_dir = self.store_root / job_id.hex()
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / RECORD_FILE).unlink(missing_ok=True)
             atomic_write(job_dir / REQUEST_FILE, encode({"trainer": trainer}))
             version = current.version + 1 if current else 0
-            return self._set(AuditStatus(job_id, trainer, QUEUED, version=version),
-                             enqueue=True)
+            return self._queue.enqueue(job_id, AuditStatus(job_id, trainer, QUEUED,
+                                                           version=version))
 
     def get(self, job_id: bytes) -> AuditStatus | None:
-        with self.changed:
-            return self._statuses.get(job_id)
+        return self._queue.get(job_id)
 
     def wait(self, job_id: bytes, after_version: int, timeout: float) -> AuditStatus | None:
         """The job's status once its version exceeds `after_version`, or as it is after
         `timeout` seconds or when the runner stops."""
-        with self.changed:
-            self.changed.wait_for(lambda: self._stopping.is_set() or self._version(job_id) >
-                                  after_version, timeout)
-            return self._statuses.get(job_id)
+        return self._queue.wait_for(
+            job_id, lambda status: status is not None and status.version > after_version,
+            timeout)
 
-    def _version(self, job_id: bytes) -> int:
-        status = self._statuses.get(job_id)
-        return -1 if status is None else status.version
-
-    # -- the worker ----------------------------------------------------------------------------
-
-    def _set(self, status: AuditStatus, *, enqueue: bool = False) -> AuditStatus:
-        """Record a new status (caller holds `changed`) and wake the watchers."""
-        self._statuses[status.job_id] = status
-        if enqueue:
-            self._queue.put(status.job_id)
-        self.changed.notify_all()
-        return status
+    # -- the work ------------------------------------------------------------------------------
 
     def _update(self, job_id: bytes, **changes) -> None:
-        with self.changed:
-            old = self._statuses[job_id]
-            self._set(dataclasses.replace(old, version=old.version + 1, **changes))
-
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
-            job_id = self._queue.get()
-            if job_id is None or self._stopping.is_set():
-                return
-            self._run(job_id)
+        with self._queue.lock:
+            old = self._queue.get(job_id)
+            assert old is not None  # a job runs only after its status was recorded
+            self._queue.update(job_id, version=old.version + 1, **changes)
 
     def _run(self, job_id: bytes) -> None:
-        trainer = self.get(job_id).trainer
+        status = self.get(job_id)
+        assert status is not None  # a job runs only after its status was recorded
+        trainer = status.trainer
         self._update(job_id, state=RUNNING)
 
         def progress(step: int, steps: int) -> None:
             self._update(job_id, step=step, steps=steps)
-            if self._stopping.is_set():
-                raise _Stopped
+            self._queue.check_stop()
 
         try:
             record = self._audit(trainer, job_id, self.store_root, self.key, self.profile,
@@ -191,7 +157,7 @@ class AuditRunner:
                                  allowed_programs=self.allowed_programs,
                                  # only when set: an `audit` stand-in need not know of hooks
                                  **({} if self.hooks is None else {"hooks": self.hooks}))
-        except _Stopped:
+        except Stopped:
             return  # no record: `recover` queues it again on the next start
         except OvtError as err:
             record = AuditRecord.failed(job_id, str(err))
@@ -203,9 +169,10 @@ class AuditRunner:
         except OSError as err:
             print(f"ovt-auditor: cannot store the verdict of {job_id.hex()}: {err}",
                   file=sys.stderr)
-        with self.changed:
-            old = self._statuses[job_id]
-            self._set(_finished(job_id, trainer, record, old.version + 1, old))
+        with self._queue.lock:
+            old = self._queue.get(job_id)
+            assert old is not None
+            self._queue.set(job_id, _finished(job_id, trainer, record, old.version + 1, old))
 
 
 def _finished(job_id: bytes, trainer: str, record: AuditRecord, version: int,

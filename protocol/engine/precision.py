@@ -39,6 +39,9 @@ _FORMATS = {
         abs_mask=0x7FFF_FFFF, min_normal_bits=1 << 23),
 }
 
+# The dtype names a policy may name: those of the supported pairs (DTYPES also names int/bool).
+_POLICY_DTYPES = frozenset(dtype_name(d) for pair in _FORMATS for d in pair)
+
 # Default band half-width in target ULPs for general ops. float64->float32: set from
 # `ovt replay-check` (README "Precision policy"): the largest divergence between profiles
 # measured here was 1.5e-3 target ULP (BatchNorm backward under channels_last), so 2**-8 leaves
@@ -80,7 +83,7 @@ class PrecisionPolicy:
     def parse(cls, text: str, tau: float | None = None) -> PrecisionPolicy:
         """Parse 'float64->float32' (or 'float64:float32')."""
         parts = text.replace(":", "->").split("->")
-        if len(parts) != 2 or any(p.strip() not in DTYPES for p in parts):
+        if len(parts) != 2 or any(p.strip() not in _POLICY_DTYPES for p in parts):
             raise ConfigError(f"bad precision policy {text!r}; expected e.g. 'float64->float32'")
         return cls(DTYPES[parts[0].strip()], DTYPES[parts[1].strip()], tau)
 
