@@ -267,10 +267,11 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
                     value = candidate
                     break
                 problems.append(f"the {role}'s {name}: {problem}")
-            except NoAnswer as err:
+            except OvtError as err:  # the party's failure: NoAnswer, or bytes that do not decode
                 problems.append(f"the {role} did not serve {name}: {err}")
-            except Exception as err:  # whatever a hostile peer's bytes make the checks raise
-                problems.append(f"the {role}'s {name} does not check: {err!r}")
+            except Exception as err:  # the checks report a bad value; anything else is a bug
+                raise ArbiterError(f"checking the {role}'s {name} failed on the arbiter's "
+                                   f"side: {err!r}") from err
         if value is None:
             return None, withheld(i, owed_by, f"nobody served a valid {name}: "
                                   + "; ".join(problems), profile.name)

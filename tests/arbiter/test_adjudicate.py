@@ -111,6 +111,24 @@ def test_the_arbiters_own_failure_is_no_verdict(job, tmp_path):
         settle(dispute, trainer=_Broken("trainer", dispute.trainer))
 
 
+class _BrokenCheck(StoreParty):
+    """A party whose S_t makes the arbiter's own code fail (not a value its checks reject)."""
+
+    def state(self, step, timeout_s):
+        raise RuntimeError("a bug on the arbiter's side")
+
+
+def test_the_arbiters_own_failure_while_gathering_evidence_is_no_verdict(job, tmp_path):
+    # Regression (hostile-peer finding 8): an unexpected error while checking a party's
+    # evidence was recorded as that party's failure and signed as a "withheld" finding.
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("swap-checkpoint:4")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    with pytest.raises(ArbiterError, match="checking the trainer's S_3 failed"):
+        settle(dispute, trainer=_BrokenCheck("trainer", dispute.trainer))
+
+
 class _Silent(StoreParty):
     def leaf(self, step, timeout_s):
         raise NoAnswer("no answer")
