@@ -20,11 +20,14 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from protocol.errors import ResourceLimitError
 
-S = TypeVar("S")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+S = TypeVar("S", bound="DataclassInstance")  # a frozen dataclass: `update` replaces fields
 
 
 class Stopped(Exception):
