@@ -17,18 +17,18 @@ from pathlib import Path
 
 import safetensors.torch
 
-from protocol.codec.state import state_digest
+from protocol.codec.state import load_safetensors, state_digest
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import ConfigError, StoreError
+from protocol.errors import ConfigError, StateFormatError, StoreError
 from protocol.files import atomic_write
-from protocol.job import spec as jobspec
+from protocol.job import create as jobcreate
 from protocol.job.create import create_job
 from protocol.job.run import StoreSource, replay_job, run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
-_CREATE_HELP = jobspec.__doc__
+_CREATE_HELP = jobcreate.__doc__
 
 
 def add_commands(sub) -> None:
@@ -136,8 +136,8 @@ def _s0_path(spec_path: Path) -> Path:
 def _load_s0(spec_path: Path, spec: JobSpec):
     path = _s0_path(spec_path)
     try:
-        state = safetensors.torch.load(path.read_bytes())
-    except (OSError, safetensors.SafetensorError) as err:
+        state = load_safetensors(path.read_bytes())
+    except (OSError, StateFormatError) as err:
         raise ConfigError(f"cannot read the initial state {path}: {err}") from None
     if state_digest(state) != spec.h0:
         raise StoreError(f"{path} does not hash to the job's h_0")

@@ -1,4 +1,4 @@
-"""The bisection game (SPEC §5.2, protocol/game.py): one test per branch, liars as fixtures.
+"""The bisection game (SPEC §5.2, protocol/dispute/game.py): one test per branch, liars as fixtures.
 
 Players hold real leaf lists (fake (t, h_t, ℓ_t)), real RFC 6962 trees and real signed
 commitments, and answer from their trees. Liars are scripted players (dave's bad_commitment /
@@ -942,6 +942,43 @@ def test_decode_transcript_rejects_unknown_records():
     body["records"].append({"type": "bribe", "amount": 1})
     with pytest.raises(EncodingError):
         decode_transcript(encode(body))
+
+
+@pytest.mark.parametrize("alias", [True, 1.0])
+def test_aliased_protocol_version_is_refused(alias):
+    """Finding 3 (issue 10): a transcript whose protocol_version is `True` or `1.0` (equal to 1,
+    other bytes) decoded to the same transcript as its canonical bytes."""
+    from protocol.codec.canonical import decode, encode
+    _, _, _, state = _finished("honest")
+    aliased = encode({**decode(transcript_bytes(state)), "protocol_version": alias})
+    assert aliased != transcript_bytes(state)
+    with pytest.raises(EncodingError, match="protocol version"):
+        decode_transcript(aliased)
+
+
+@pytest.mark.parametrize("field, alias", [("step", True), ("round", 1.0), ("at", 1),
+                                          ("step", "1")])
+def test_aliased_record_fields_are_refused(field, alias):
+    """A question's step `True`, round `1.0` or time `1` is refused by exact type."""
+    from protocol.codec.canonical import decode, encode
+    _, _, _, state = _finished("honest")
+    body = decode(transcript_bytes(state))
+    i = next(i for i, r in enumerate(body["records"]) if r["type"] == "question")
+    body["records"][i] = {**body["records"][i], field: alias}
+    with pytest.raises(EncodingError, match=f"field {field} has the wrong type"):
+        decode_transcript(encode(body))
+
+
+@pytest.mark.parametrize("record", [{"type": []}, {"type": {}}, {"type": None}, 5, [], b"x"],
+                         ids=["list-type", "map-type", "no-type", "int", "list", "bytes"])
+def test_transcript_record_of_the_wrong_type_is_an_encoding_error(record):
+    """Finding 7 (issue 10): a record whose "type" is a list or a map made the decoder raise
+    TypeError (unhashable) instead of the project's own error."""
+    from protocol.codec.canonical import decode, encode
+    _, _, _, state = _finished("honest")
+    body = decode(transcript_bytes(state))
+    with pytest.raises(EncodingError, match="known \"type\""):
+        decode_transcript(encode({**body, "records": body["records"] + [record]}))
 
 
 def test_outcome_is_the_last_record():

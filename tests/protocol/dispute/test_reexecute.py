@@ -1,4 +1,4 @@
-"""Re-execution of the disputed step (SPEC §5.3, protocol/reexecute.py).
+"""Re-execution of the disputed step (SPEC §5.3, protocol/dispute/reexecute.py).
 
 A tiny image-cnn job is trained for real on cpu-2t into a JobStore; the arbiter re-executes
 single steps on other profiles from the stored S_{i-1}, the proven examples of B_i and the

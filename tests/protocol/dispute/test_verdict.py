@@ -1,4 +1,5 @@
-"""Verdicts (SPEC §5.4, protocol/verdict.py): the decision table, signing, offline checking.
+"""Verdicts (SPEC §5.4, protocol/dispute/{decision,verdict,evidence}.py): the decision table,
+signing, offline checking.
 
 Games are played with test_game's players (real RFC 6962 trees, real signed commitments) and
 end every way; verdicts are signed and must verify from their bytes alone, while every changed
