@@ -260,23 +260,32 @@ def _verify(args) -> int:
     except VerdictError as err:
         print(f"ovt-arbiter: INVALID verdict: {err}", file=sys.stderr)
         return EXIT_INVALID
-    _show(verdict, args.json, rechecked=args.evidence is not None)
+    _show(verdict, args.json, rechecked=args.evidence is not None,
+          key_checked=arbiter_key is not None)
     return 0
 
 
-def _show(verdict, as_json: bool, *, written: Path | None = None,
-          rechecked: bool = False) -> None:
+def _show(verdict, as_json: bool, *, written: Path | None = None, rechecked: bool = False,
+          key_checked: bool = False) -> None:
+    """Print the verdict (`written`: where adjudicate wrote it; else verify's findings: whether
+    the evidence was `rechecked` and the signing key `key_checked` against --arbiter-key)."""
     if as_json:
-        print(json.dumps(verdict_json(verdict), indent=2))
+        shown = verdict_json(verdict)
+        print(json.dumps(shown if written is not None else
+                         {**shown, "arbiter_key_checked": key_checked}, indent=2))
         return
     print(summary(verdict))
     if written is not None:
         print(f"verdict written to {written} ({len(verdict.to_bytes())} bytes); re-check it "
               f"with `ovt-arbiter verify {written}`")
-    else:
-        print("VALID: the signature, every move of the transcript and the finding check out"
-              + ("; re-executing the step from the evidence gives the verdict's h_i*"
-                 if rechecked else ""))
+        return
+    print("VALID: the signature, every move of the transcript and the finding check out"
+          + ("; re-executing the step from the evidence gives the verdict's h_i*"
+             if rechecked else ""))
+    key = verdict.arbiter_key.hex()
+    print(f"signed by the expected arbiter key {key}" if key_checked else
+          f"signed by arbiter key {key}, NOT checked against an expected key: a valid verdict "
+          f"proves nothing unless you trust this key (give --arbiter-key)")
 
 
 def verdict_json(verdict) -> dict:

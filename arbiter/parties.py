@@ -16,18 +16,16 @@ from __future__ import annotations
 from typing import Protocol
 
 import grpc
-import safetensors
-import safetensors.torch
 import torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
-from protocol.codec.state import decode_state
+from protocol.codec.state import decode_state, load_safetensors
 from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.commit.data import ProvenExample, commit_dataset, prove_examples
 from protocol.engine.batches import batch_indices
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError, NoAnswer, OvtError
+from protocol.errors import EncodingError, NoAnswer, OvtError, StateFormatError
 from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -103,10 +101,10 @@ class RemoteParty:
         except OvtError as err:
             raise NoAnswer(f"{self.role} GetCheckpoint: {err}") from None
         try:
-            return safetensors.torch.load(payload)
-        except (safetensors.SafetensorError, ValueError) as err:
-            raise NoAnswer(f"{self.role} sent an S_{step} that is not safetensors: {err}") \
-                from None
+            return load_safetensors(payload)
+        except StateFormatError as err:
+            raise NoAnswer(f"{self.role} sent an S_{step} that is not a safetensors state: "
+                           f"{err}") from None
 
     def batch(self, step: int, timeout_s: float) -> list[ProvenExample]:
         reply = self._call("GetBatch", self._ref(step), timeout_s)

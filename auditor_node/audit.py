@@ -24,8 +24,10 @@ import grpc
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import DEFAULT_DEADLINE_S, RemoteClaims
 from proto.serving import make_channel
-from protocol.codec.canonical import decode, encode
+from protocol.codec.canonical import decode_object, encode
+from protocol.codec.fields import require_bytes, require_fields, require_uint
 from protocol.commit.commitments import Claim, SignedCommitment
+from protocol.commit.hashing import HASH_SIZE
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.profiles import Profile
@@ -82,19 +84,30 @@ class AuditRecord:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> AuditRecord:
-        """Parse a stored record. Raises EncodingError if it is not one."""
-        body = decode(data, max_bytes=64 * 1024)
-        if not isinstance(body, dict) or set(body) != set(_RECORD_FIELDS) or \
-                body["state"] not in VERDICTS:
-            raise EncodingError("not an audit record")
-        try:
-            return cls(**{**body, "challenge": _opt(body["challenge"], Path),
-                          "trainer_commitment": _opt(body["trainer_commitment"],
-                                                     SignedCommitment.from_bytes),
-                          "auditor_commitment": _opt(body["auditor_commitment"],
-                                                     SignedCommitment.from_bytes)})
-        except TypeError as err:
-            raise EncodingError(f"not an audit record: {err}") from None
+        """Parse a stored record: exactly the record's fields, each of its type, re-encoding
+        to exactly `data` (SPEC §2, `decode_object`). Raises EncodingError if it is not one."""
+        return decode_object(data, cls._from_body, cls.to_bytes, what="audit record",
+                             max_bytes=64 * 1024)
+
+    @classmethod
+    def _from_body(cls, body: object) -> AuditRecord:
+        body = require_fields("an audit record", body, _RECORD_FIELDS)
+        if body["state"] not in VERDICTS:
+            raise EncodingError(f"an audit record's state is one of {', '.join(VERDICTS)}")
+        require_bytes("audit record job_id", body["job_id"], HASH_SIZE)
+        require_uint("audit record steps", body["steps"])
+        require_uint("audit record replayed", body["replayed"])
+        if body["divergent_step"] is not None:
+            require_uint("audit record divergent_step", body["divergent_step"])
+        for name, kind in (("reason", str), ("error", str), ("challenge", str),
+                           ("trainer_commitment", bytes), ("auditor_commitment", bytes)):
+            if body[name] is not None and type(body[name]) is not kind:
+                raise EncodingError(f"audit record {name} must be {kind.__name__} or none")
+        return cls(**{**body, "challenge": _opt(body["challenge"], Path),
+                      "trainer_commitment": _opt(body["trainer_commitment"],
+                                                 SignedCommitment.from_bytes),
+                      "auditor_commitment": _opt(body["auditor_commitment"],
+                                                 SignedCommitment.from_bytes)})
 
 
 def _opt_bytes(signed: SignedCommitment | None) -> bytes | None:

@@ -19,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+from proto.serving import add_limit_options, limits_of
 from protocol.cli.commands import run_command
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port-file", type=Path, help="write the bound port here once serving")
     serve.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     serve.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    add_limit_options(serve)
     serve.set_defaults(run=_serve)
     audit = sub.add_parser("audit", help="audit one job in this process and print the verdict")
     audit.add_argument("--trainer", required=True, help="the trainer's HOST:PORT")
@@ -97,6 +99,7 @@ def _serve(args) -> int:
                        listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
+                       limits=limits_of(args),
                        faults=tuple(args.inject_fault))  # it warns when faults are set
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -9,25 +9,30 @@ The runner keeps two files per job in the auditor's store, both canonical bytes:
 `audit-request.ovt` (the trainer's address, written when the audit is queued) and `audit.ovt`
 (the `AuditRecord`, written when it ends). On start, `recover` re-queues every requested audit
 without a record — those interrupted by a crash or a shutdown, which resume from the store — and
-loads the others' records, so GetAudit answers across restarts. `stop` interrupts a running audit
-after its current step.
+loads the others' records, so GetAudit answers across restarts. An audit that fails before the
+job's store exists (its spec never fetched and verified) leaves no directory: the failure is
+kept in memory only, so requests for jobs the trainer does not have cost no disk. `stop`
+interrupts a running audit after its current step.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.codec.canonical import decode, encode
+from protocol.codec.canonical import decode_object, encode
+from protocol.codec.fields import require_fields
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
 from protocol.files import atomic_write
 from protocol.job.queue import JobQueue, Stopped
 from protocol.job.run import StepHooks
+from protocol.job.store import SPEC_FILE
 
 from .audit import DIVERGED, FAILED, MATCHED, AuditRecord, run_audit
 
@@ -117,7 +122,7 @@ class AuditRunner:
             job_dir = self.store_root / job_id.hex()
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / RECORD_FILE).unlink(missing_ok=True)
-            atomic_write(job_dir / REQUEST_FILE, encode({"trainer": trainer}))
+            atomic_write(job_dir / REQUEST_FILE, _request_bytes(trainer))
             version = current.version + 1 if current else 0
             return self._queue.enqueue(job_id, AuditStatus(job_id, trainer, QUEUED,
                                                            version=version))
@@ -164,11 +169,18 @@ class AuditRunner:
         except Exception as err:  # a bug: keep serving, tell the operator, not the peer
             traceback.print_exc(file=sys.stderr)
             record = AuditRecord.failed(job_id, f"internal error ({type(err).__name__})")
-        try:
-            atomic_write(self.store_root / job_id.hex() / RECORD_FILE, record.to_bytes())
-        except OSError as err:
-            print(f"ovt-auditor: cannot store the verdict of {job_id.hex()}: {err}",
-                  file=sys.stderr)
+        job_dir = self.store_root / job_id.hex()
+        if record.state == FAILED and not (job_dir / SPEC_FILE).exists():
+            # It failed before the job's store was made (no verified spec: an unknown job, an
+            # unreachable trainer, a program refused): keep no directory for it, or every
+            # request for a random job id would leave one. The failure is known until a restart.
+            shutil.rmtree(job_dir, ignore_errors=True)
+        else:
+            try:
+                atomic_write(job_dir / RECORD_FILE, record.to_bytes())
+            except OSError as err:
+                print(f"ovt-auditor: cannot store the verdict of {job_id.hex()}: {err}",
+                      file=sys.stderr)
         with self._queue.lock:
             old = self._queue.get(job_id)
             assert old is not None
@@ -183,11 +195,23 @@ def _finished(job_id: bytes, trainer: str, record: AuditRecord, version: int,
                        version=version)
 
 
+def _request_bytes(trainer: str) -> bytes:
+    """The canonical bytes of an audit request: the trainer's address."""
+    return encode({"trainer": trainer})
+
+
 def _read_request(path: Path) -> str:
-    body = decode(path.read_bytes(), max_bytes=4096)
-    if not isinstance(body, dict) or not isinstance(body.get("trainer"), str):
-        raise EncodingError("not an audit request")
-    return body["trainer"]
+    """The trainer address a stored request names: a map of exactly that one string,
+    re-encoding to the file's bytes (SPEC §2, `decode_object`). Raises EncodingError."""
+    return decode_object(path.read_bytes(), _trainer_of, _request_bytes, what="audit request",
+                         max_bytes=4096)
+
+
+def _trainer_of(body: object) -> str:
+    trainer = require_fields("an audit request", body, ("trainer",))["trainer"]
+    if type(trainer) is not str:
+        raise EncodingError("an audit request names its trainer by a string")
+    return trainer
 
 
 def _read_record(path: Path) -> AuditRecord | None:

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import build_server, make_health
+from proto.serving import ServerLimits, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.files import remove_stale_temp_files
 from protocol.job.faults import Fault
 
 from .faults import AuditorFaults
@@ -37,10 +38,12 @@ class AuditorNode:
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *, listen: str,
                  tls_cert: Path | None = None, tls_key: Path | None = None,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
-                 allowed_programs: Collection[str] = (),
+                 allowed_programs: Collection[str] = (), limits: ServerLimits | None = None,
                  faults: Collection[Fault] = ()) -> None:
-        """`faults`: FAULT INJECTION only (tests and demos): make this auditor lie, see
-        `auditor_node.faults`."""
+        """`limits`: the server's worker threads, stream slots and stream idle timeout
+        (default `ServerLimits()`). `faults`: FAULT INJECTION only (tests and demos): make this
+        auditor lie, see `auditor_node.faults`. Raises ConfigError for a bad address, TLS files
+        or plaintext off loopback."""
         profile.check_runnable()
         if faults:
             log.warning("FAULT INJECTION: this auditor LIES on purpose (%s); for tests and "
@@ -57,10 +60,14 @@ class AuditorNode:
             [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
              lambda s: ovt_pb2_grpc.add_AuditorServicer_to_server(auditor, s)],
             service_names=SERVICE_NAMES, tls_cert=tls_cert, tls_key=tls_key,
-            allow_remote_plaintext=allow_remote_plaintext, health=self.health)
+            allow_remote_plaintext=allow_remote_plaintext, limits=limits, health=self.health)
 
     def start(self) -> int:
-        """Start auditing (resuming interrupted audits) and serving; returns the bound port."""
+        """Remove temporary files a kill left in the store, start auditing (resuming
+        interrupted audits) and serving; returns the bound port."""
+        removed = remove_stale_temp_files(self.runner.store_root)
+        if removed:
+            log.info("removed %d temporary files left in the store by an earlier run", removed)
         self.runner.start()
         self.server.start()
         return self.port

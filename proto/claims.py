@@ -13,24 +13,33 @@ every failure of the peer is a `PeerError` naming the call.
 from __future__ import annotations
 
 import hashlib
+import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import grpc
-import safetensors
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.serving import job_id_of, rpc_errors
-from protocol.codec.state import encode_state, state_digest
+from protocol.codec.fields import MAX_UINT
+from protocol.codec.state import encode_state, load_safetensors, state_digest
 from protocol.commit.commitments import SignedCommitment
 from protocol.commit.data import commit_dataset
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree, verify_inclusion
 from protocol.engine.batches import batch_indices
 from protocol.engine.profiles import Profile
-from protocol.errors import NotFoundError, OutOfRangeError, OvtError, PeerError, RefusedError
+from protocol.errors import (
+    NotFoundError,
+    OutOfRangeError,
+    OvtError,
+    PeerError,
+    RefusedError,
+    StateFormatError,
+)
 from protocol.job.create import job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -110,6 +119,8 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         return step
 
     def _commitment(self, store: JobStore, n: int) -> SignedCommitment:
+        if n > MAX_UINT:  # a uint64 field; SQLite, like every count in ovt, holds 2**63 - 1
+            raise OutOfRangeError(f"n = {n} is beyond any job's steps (at most {MAX_UINT})")
         signed = store.commitment(n or None)
         if signed is None:
             raise RefusedError("no commitment yet" if not n else f"no commitment over {n} steps")
@@ -189,7 +200,8 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
 
 def chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES):
     """`payload` as a stream of `Chunk`s of at most `chunk_bytes`, the last carrying the
-    payload's sha256 (how checkpoints and a submitted S_0 travel; `join_chunks` reverses it)."""
+    payload's sha256 (how checkpoints and a submitted S_0 travel; `receive_chunks` and
+    `join_chunks` reverse it)."""
     digest = hashlib.sha256(payload).digest()
     total = len(payload)
     for offset in range(0, max(total, 1), chunk_bytes):
@@ -198,24 +210,40 @@ def chunks(payload: bytes, chunk_bytes: int = CHUNK_BYTES):
                             total_size=total, sha256=digest if last else b"")
 
 
-def join_chunks(chunks, max_bytes: int) -> bytes:
-    """Reassemble a chunk stream, checking offsets, the announced size and the sha256."""
-    parts, expected_offset, total, digest = [], 0, None, b""
+def receive_chunks(chunks: Iterable[ovt_pb2.Chunk], max_bytes: int, out: BinaryIO,
+                   admit: Callable[[int], object] = lambda total: None) -> None:
+    """Write a chunk stream, as `chunks` makes it, to `out` as it arrives, holding one chunk at
+    a time. Every chunk must follow the previous one and announce the same total size, of at
+    most `max_bytes`; no more than that may arrive, and the whole must have the sha256 the last
+    chunk carries. `admit(total)` is called with the announced size before the first byte is
+    written; it may raise to refuse the stream. Raises PeerError for a broken stream, OSError as
+    `out` does."""
+    expected_offset, total, digest, hasher = 0, None, b"", hashlib.sha256()
     for chunk in chunks:
         if chunk.offset != expected_offset or (total is not None and chunk.total_size != total):
             raise PeerError("chunk stream out of order or inconsistent")
-        total = chunk.total_size
-        if total > max_bytes:
-            raise PeerError(f"peer announced {total} bytes, more than the {max_bytes} allowed")
+        if total is None:
+            total = chunk.total_size
+            if total > max_bytes:
+                raise PeerError(f"peer announced {total} bytes, more than the {max_bytes} "
+                                f"allowed")
+            admit(total)
         expected_offset += len(chunk.data)
-        if expected_offset > total:  # never hold more than was announced
+        if expected_offset > total:  # never take more than was announced
             raise PeerError(f"peer sent more than the {total} bytes it announced")
-        parts.append(chunk.data)
+        hasher.update(chunk.data)
+        out.write(chunk.data)
         digest = chunk.sha256
-    payload = b"".join(parts)
-    if total is None or len(payload) != total or hashlib.sha256(payload).digest() != digest:
+    if total is None or expected_offset != total or hasher.digest() != digest:
         raise PeerError("chunk stream truncated or its sha256 does not match")
-    return payload
+
+
+def join_chunks(chunks: Iterable[ovt_pb2.Chunk], max_bytes: int) -> bytes:
+    """Reassemble a chunk stream in memory, checked as `receive_chunks` checks it. Raises
+    PeerError."""
+    out = io.BytesIO()
+    receive_chunks(chunks, max_bytes, out)
+    return out.getvalue()
 
 
 class RemoteClaims:
@@ -301,9 +329,10 @@ class RemoteClaims:
             raise PeerError(f"{self.role} GetCheckpoint failed: {err.code().name}: "
                             f"{err.details()}") from None
         try:
-            state = safetensors.torch.load(payload)
-        except (safetensors.SafetensorError, ValueError) as err:
-            raise PeerError(f"{self.role} sent an S_0 that is not safetensors: {err}") from None
+            state = load_safetensors(payload)
+        except StateFormatError as err:
+            raise PeerError(f"{self.role} sent an S_0 that is not a safetensors state: {err}") \
+                from None
         if state_digest(state) != self.spec.h0:
             raise PeerError(f"{self.role} sent an S_0 that does not hash to the job's h_0")
         return state

@@ -1,8 +1,10 @@
 """Submitting a job to a trainer daemon: the spec, then S_0 streamed in chunks.
 
 `SubmitStream` carries S_0 as `GetCheckpoint` carries a state (bounded chunks, the last with the
-sha256 of the whole), so S_0 is bounded by the trainer's `--max-state-mb`, not by the gRPC
-message size. The trainer checks the spec and its program before it accepts a byte of S_0.
+sha256 of the whole), so S_0 is bounded by the trainer's `--max-state-mb` and what is left of its
+in-flight budget (`--max-inflight-mb`), not by the gRPC message size. The trainer checks the spec
+and its program before it accepts a byte of S_0, and writes S_0 to disk as it arrives
+(`proto.claims.receive_chunks`).
 """
 
 from __future__ import annotations

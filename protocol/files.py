@@ -1,21 +1,28 @@
-"""The one way ovt writes a file that must survive a crash (SPEC §4 "nothing lost on a crash").
+"""The one way ovt writes a file that must survive a crash (SPEC §4 "nothing lost on a crash"),
+and the one spelling of its temporary files.
 
 `atomic_write` writes to a fresh temporary file beside the target, fsyncs it, moves it into
 place and fsyncs the directory, so the target holds either its old content or all of the new
 one, and a half-written file never carries a trusted name. The temporary file is removed on
-every failure.
+every failure. `temporary_file` is a scratch file (a submitted S_0 as it streams in) removed when
+its block ends. Both are named `.NAME.XXXXXXXX.tmp`; a kill can still leave one behind, which
+`remove_stale_temp_files` deletes when a daemon starts on its store.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 # Read once, at import: reading the umask means setting it, which is not thread-safe later.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 _DEFAULT_MODE = 0o666 & ~_UMASK
+_TEMP_SUFFIX = ".tmp"
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None,
@@ -29,7 +36,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
     replace. Raises OSError as the filesystem does.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _mkstemp(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), _DEFAULT_MODE if mode is None else mode)
@@ -41,6 +48,39 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
         if os.path.exists(tmp):
             os.unlink(tmp)
     _fsync_dir(path.parent)
+
+
+@contextmanager
+def temporary_file(directory: str | os.PathLike[str],
+                   name: str) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new, empty file `.NAME.XXXXXXXX.tmp` in `directory`, open for writing, and its path;
+    the file is removed when the block ends, however it ends. Raises OSError as the
+    filesystem does."""
+    fd, tmp = _mkstemp(Path(directory), name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f, Path(tmp)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def remove_stale_temp_files(root: str | os.PathLike[str]) -> int:
+    """Delete every temporary file (`.NAME.XXXXXXXX.tmp`) under `root`, at any depth, and return
+    how many there were. Call it only before anything writes under `root` (a daemon's start): a
+    temporary file there was left by a killed process, never holds a trusted name and is never
+    read. Symbolic links are not followed. Raises OSError as the filesystem does."""
+    removed = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = Path(directory, name)
+            if name.startswith(".") and name.endswith(_TEMP_SUFFIX) and not path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def _mkstemp(directory: Path, name: str) -> tuple[int, str]:
+    return tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=_TEMP_SUFFIX)
 
 
 def _move(tmp: str, path: Path, overwrite: bool) -> None:

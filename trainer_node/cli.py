@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.serving import make_channel, make_self_signed_cert
+from proto.serving import add_limit_options, limits_of, make_channel, make_self_signed_cert
 from proto.submit import submit_job
 from protocol.cli.commands import run_command
 from protocol.commit.keys import KeyPair
@@ -37,6 +37,7 @@ from protocol.job.faults import Fault, parse_fault
 
 from .faults import KINDS as FAULT_KINDS
 from .server import TrainerConfig, TrainerNode
+from .service import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_PARAMS
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -67,13 +68,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="device to train on, e.g. cpu or cuda:0 (overrides the profile's)")
     serve.add_argument("--threads", type=int, default=None,
                        help="intra-op threads for training (overrides the profile's count)")
-    serve.add_argument("--workers", type=int, default=8, help="gRPC worker threads "
-                                                               "(default: %(default)s)")
+    add_limit_options(serve)
     serve.add_argument("--max-message-mb", type=int, default=64,
                        help="largest gRPC message accepted or sent, MiB (default: %(default)s)")
     serve.add_argument("--max-state-mb", type=int, default=8192,
-                       help="largest S_0 a client may submit (streamed, held in memory), MiB "
-                            "(default: %(default)s)")
+                       help="largest S_0 a client may submit, MiB (default: %(default)s)")
+    serve.add_argument("--max-inflight-mb", type=int, default=DEFAULT_MAX_INFLIGHT_BYTES >> 20,
+                       help="S_0 bytes all submissions in flight may hold together (on disk "
+                            "as they stream), MiB (default: %(default)s)")
+    serve.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                       help="most parameters of a built-in model a job may ask for "
+                            "(default: %(default)s = 2**28)")
     serve.add_argument("--allow-program", action="append", default=[], metavar="REF",
                        help="a user program (package.module:function or file.py:function) "
                             "clients may submit jobs for; built-ins are always allowed")
@@ -144,17 +149,18 @@ def _client_options(parser: argparse.ArgumentParser) -> None:
 def _serve(args) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s ovt-trainer %(levelname)s %(message)s")
-    if min(args.max_message_mb, args.max_state_mb, args.workers,
+    if min(args.max_message_mb, args.max_state_mb, args.max_inflight_mb, args.max_params,
            1 if args.threads is None else args.threads) < 1:
-        raise ConfigError("--max-message-mb, --max-state-mb, --workers and --threads must be "
-                          "at least 1")
+        raise ConfigError("--max-message-mb, --max-state-mb, --max-inflight-mb, --max-params "
+                          "and --threads must be at least 1")
     profile = _profile(args)
     node = TrainerNode(TrainerConfig(
         listen=args.listen, store=args.store, key=KeyPair.load(args.key), profile=profile,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         allow_remote_plaintext=args.insecure_allow_remote_plaintext,
         max_message_bytes=args.max_message_mb << 20, max_state_bytes=args.max_state_mb << 20,
-        workers=args.workers,
+        max_inflight_bytes=args.max_inflight_mb << 20, max_params=args.max_params,
+        limits=limits_of(args),
         allowed_programs=tuple(args.allow_program), faults=tuple(args.inject_fault)))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

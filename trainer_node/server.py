@@ -15,14 +15,20 @@ from pathlib import Path
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
+from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, ServerLimits, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.files import remove_stale_temp_files
 from protocol.job.faults import Fault
 
 from .faults import TrainerFaults
 from .runner import JobRunner
-from .service import DEFAULT_MAX_STATE_BYTES, TrainerServicer
+from .service import (
+    DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_MAX_PARAMS,
+    DEFAULT_MAX_STATE_BYTES,
+    TrainerServicer,
+)
 
 SERVICE_NAMES = ("ovt.v1.Claims", "ovt.v1.Trainer")
 log = logging.getLogger("ovt.trainer")
@@ -39,7 +45,9 @@ class TrainerConfig:
     allow_remote_plaintext: bool = False
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES  # the largest S_0 SubmitStream takes
-    workers: int = 8
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES  # S_0 bytes of submissions in flight
+    max_params: int = DEFAULT_MAX_PARAMS  # the largest built-in model a spec may ask for
+    limits: ServerLimits = ServerLimits()  # worker threads, stream slots, stream idle timeout
     allowed_programs: tuple[str, ...] = field(default=())
     # FAULT INJECTION (tests and demos only): make this trainer cheat, see trainer_node.faults.
     faults: tuple[Fault, ...] = field(default=())
@@ -62,7 +70,9 @@ class TrainerNode:
         claims = ClaimsServicer(self.stores, leaf_fault=faults.leaf_fault
                                 if faults and faults.serving else None)
         trainer = TrainerServicer(config.store, self.runner, config.allowed_programs,
-                                  max_state_bytes=config.max_state_bytes)
+                                  max_state_bytes=config.max_state_bytes,
+                                  max_inflight_bytes=config.max_inflight_bytes,
+                                  max_params=config.max_params)
         self.health = make_health()
         self.server, self.port = build_server(
             config.listen,
@@ -70,11 +80,15 @@ class TrainerNode:
              lambda s: ovt_pb2_grpc.add_TrainerServicer_to_server(trainer, s)],
             service_names=SERVICE_NAMES, tls_cert=config.tls_cert, tls_key=config.tls_key,
             allow_remote_plaintext=config.allow_remote_plaintext,
-            max_message_bytes=config.max_message_bytes, workers=config.workers,
+            max_message_bytes=config.max_message_bytes, limits=config.limits,
             health=self.health)
 
     def start(self) -> int:
-        """Queue unfinished jobs, start training and serving; returns the bound port."""
+        """Remove temporary files a kill left in the store, queue unfinished jobs, start
+        training and serving; returns the bound port."""
+        removed = remove_stale_temp_files(self.config.store)
+        if removed:
+            log.info("removed %d temporary files left in the store by an earlier run", removed)
         self.runner.start()
         self.server.start()
         log.info("serving on port %d (%s)", self.port,

@@ -6,29 +6,40 @@ becomes a gRPC status with a one-line message (never a traceback):
     malformed spec, S_0 not safetensors, S_0 not hashing to h_0   INVALID_ARGUMENT
     job id not 32 bytes                                            INVALID_ARGUMENT
     program not allowed here, missing, or its source hash differs  FAILED_PRECONDITION
+    a config the program rejects                                   FAILED_PRECONDITION
+    a built-in model of more than `max_params` parameters          RESOURCE_EXHAUSTED
     unknown job                                                    NOT_FOUND
     MAX_QUEUED jobs already waiting (a new job refused unwritten)  RESOURCE_EXHAUSTED
+    S_0 beyond the in-flight budget, or no disk space for it       RESOURCE_EXHAUSTED
     SubmitStream: no spec first, a broken or oversized S_0 stream  INVALID_ARGUMENT
     daemon shutting down                                           UNAVAILABLE
 
 Submitting is idempotent: the job id is the spec's hash, and submitting a known job returns the
 same id without touching its store.
+
+What a peer can make the trainer hold is bounded before the work is done. The spec is checked
+first, without building anything: a built-in program's size comes from its config alone
+(`parameter_count`), refused above `max_params`. SubmitStream writes S_0 to a temporary file in
+the store root as it streams (one chunk in memory), checking its announced size against
+`max_state_bytes` and, before the first byte is written, against what is left of the in-flight
+budget (`max_inflight_bytes`: the S_0 bytes of all submissions in flight together, Submit's
+included); the file is removed however the call ends. S_0s are then loaded, checked against h_0
+and stored one at a time, so only one is in memory however many stream in.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-import safetensors
-import safetensors.torch
-
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import join_chunks
+from proto.claims import receive_chunks
 from proto.serving import job_id_of, rpc_errors
-from protocol.codec.state import state_digest
-from protocol.engine.programs.registry import require_allowed
+from protocol.codec.state import load_safetensors, state_digest
+from protocol.engine.programs.registry import parameter_count, require_allowed
 from protocol.errors import (
     ConfigError,
     NotFoundError,
@@ -38,17 +49,54 @@ from protocol.errors import (
     RefusedError,
     RequestError,
     ResourceLimitError,
+    StateFormatError,
     StoreError,
     UnavailableError,
 )
-from protocol.job.create import load_job_program
+from protocol.files import temporary_file
+from protocol.job.create import check_program_source, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 from .runner import MAX_QUEUED, JobRunner, JobStatus
 
 WATCH_POLL_S = 1.0  # how often a Watch checks that its client is still there
-DEFAULT_MAX_STATE_BYTES = 8 << 30  # the largest S_0 SubmitStream takes (it is held in memory)
+DEFAULT_MAX_STATE_BYTES = 8 << 30  # the largest S_0 SubmitStream takes
+DEFAULT_MAX_INFLIGHT_BYTES = 8 << 30  # S_0 bytes of all submissions in flight together
+DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a spec may ask for (1 GiB in float32)
+
+
+class ByteBudget:
+    """Bytes that all calls in flight may hold together: each call claims what it needs before
+    it takes it, and gives it back when it ends."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def claim(self) -> Iterator[Callable[[int], None]]:
+        """A block during which `reserve(n)` takes n more bytes from the budget, raising
+        ResourceLimitError (and taking nothing) when fewer are left; all it took is given back
+        when the block ends."""
+        taken = 0
+
+        def reserve(n: int) -> None:
+            nonlocal taken
+            with self._lock:
+                if self._used + n > self.limit:
+                    raise ResourceLimitError(
+                        f"the trainer holds {self._used} bytes of submissions in flight; {n} "
+                        f"more would pass its budget of {self.limit}: submit again later")
+                self._used += n
+                taken += n
+
+        try:
+            yield reserve
+        finally:
+            with self._lock:
+                self._used -= taken
 
 
 @rpc_errors
@@ -57,25 +105,38 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
 
     `allowed_programs` are the user programs (beyond the built-ins) a client may name: loading
     a program imports code on this machine, so a peer may never choose an arbitrary one.
+    `max_state_bytes` bounds one S_0, `max_inflight_bytes` the S_0 bytes of all submissions in
+    flight together, `max_params` the parameters of a built-in model a spec may ask for.
     """
 
     def __init__(self, root: Path, runner: JobRunner, allowed_programs: Collection[str] = (),
-                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES) -> None:
+                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                 max_params: int = DEFAULT_MAX_PARAMS) -> None:
         self.root, self.runner = Path(root), runner
-        self.max_state_bytes = max_state_bytes
+        self.max_state_bytes, self.max_params = max_state_bytes, max_params
         self.allowed_programs = frozenset(allowed_programs)
-        self._submit_lock = threading.Lock()
+        self._inflight = ByteBudget(max_inflight_bytes)
+        # One thread loads, checks and stores every S_0: one at a time, so one store creation
+        # per job however many clients submit it and one S_0 in memory however many stream in;
+        # and on one thread, so each reuses the memory the last one freed (glibc keeps what a
+        # thread frees in that thread's arena: on 8 worker threads the peak would grow with
+        # every thread a submission ever ran on).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ovt-submit")
 
     def Submit(self, request, context):
         self._require_running()
         spec = self._spec(request.spec)
-        state0 = self._initial_state(request.initial_state, spec)
         self._check_program(spec)
-        return self._submit(spec, state0)
+        self._require_room(spec)
+        with self._inflight.claim() as reserve:
+            reserve(len(request.initial_state))
+            return self._loader.submit(self._submit, spec, lambda: request.initial_state).result()
 
     def SubmitStream(self, request_iterator, context):
         """Submit with S_0 streamed in chunks. The spec (first part) is checked, program
-        included, before a byte of S_0 is accepted; S_0 may be at most `max_state_bytes`."""
+        included, before a byte of S_0 is accepted; S_0 may be at most `max_state_bytes`, and
+        goes to a temporary file in the store root as it arrives, within the in-flight budget."""
         self._require_running()
         parts = iter(request_iterator)
         first = next(parts, None)
@@ -83,6 +144,7 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
             raise RequestError("the first part of SubmitStream must carry the job spec")
         spec = self._spec(first.spec)
         self._check_program(spec)
+        self._require_room(spec)
 
         def state_chunks():
             if first.HasField("initial_state"):
@@ -92,24 +154,31 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                     raise RequestError("only the first part of SubmitStream may carry a spec")
                 yield part.initial_state
 
-        try:
-            data = join_chunks(state_chunks(), self.max_state_bytes)
-        except PeerError as err:
-            raise RequestError(f"initial_state: {err}") from None
-        return self._submit(spec, self._initial_state(data, spec))
-
-    def _submit(self, spec: JobSpec, state0) -> ovt_pb2.SubmitReply:
-        with self._submit_lock:  # one store creation per job, however many clients submit it
-            if not self.runner.accepts(spec.job_id):  # before anything is written to disk
-                raise ResourceLimitError(f"{MAX_QUEUED} jobs are already waiting; submit again "
-                                         f"later")
+        with self._inflight.claim() as reserve, \
+                temporary_file(self.root, "submitted-s0") as (out, path):
             try:
-                store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
-                if store.last_step() < 0:
-                    store.put_initial(state0)
-                self.runner.submit(store)
-            except StoreError as err:  # the store holds another job under this id
-                raise RefusedError(str(err)) from None
+                receive_chunks(state_chunks(), self.max_state_bytes, out, admit=reserve)
+                out.flush()
+            except PeerError as err:
+                raise RequestError(f"initial_state: {err}") from None
+            except OSError as err:
+                raise ResourceLimitError(f"the trainer cannot hold the initial state: "
+                                         f"{err.strerror}") from None
+            return self._loader.submit(self._submit, spec, path.read_bytes).result()
+
+    def _submit(self, spec: JobSpec, initial_state: Callable[[], bytes]) -> ovt_pb2.SubmitReply:
+        """Load S_0 (`initial_state()` gives its bytes), check it against h_0, store and queue
+        the job; on the one loader thread only. Raises as `_initial_state`, RefusedError when
+        the store holds another job under this id, ResourceLimitError when the queue is full."""
+        self._require_room(spec)  # again: the queue may have filled while S_0 streamed
+        state0 = self._initial_state(initial_state(), spec)
+        try:
+            store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
+            if store.last_step() < 0:
+                store.put_initial(state0)
+            self.runner.submit(store)
+        except StoreError as err:  # the store holds another job under this id
+            raise RefusedError(str(err)) from None
         return ovt_pb2.SubmitReply(job_id=spec.job_id)
 
     def Status(self, request, context):
@@ -133,6 +202,12 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         if self.runner.stopping:
             raise UnavailableError("the trainer is shutting down")
 
+    def _require_room(self, spec: JobSpec) -> None:
+        """Refuse a new job while MAX_QUEUED wait (ResourceLimitError), before its S_0 is taken
+        and before anything is written to disk."""
+        if not self.runner.accepts(spec.job_id):
+            raise ResourceLimitError(f"{MAX_QUEUED} jobs are already waiting; submit again later")
+
     @staticmethod
     def _spec(data: bytes) -> JobSpec:
         try:
@@ -143,19 +218,30 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     @staticmethod
     def _initial_state(data: bytes, spec: JobSpec):
         try:
-            state = safetensors.torch.load(data)
-        except (safetensors.SafetensorError, ValueError, TypeError, RuntimeError) as err:
+            state = load_safetensors(data)
+        except StateFormatError as err:
             raise RequestError(f"initial_state is not safetensors: {_one_line(err)}") from None
         if state_digest(state) != spec.h0:
             raise RequestError("initial_state does not hash to the job's h_0")
         return state
 
     def _check_program(self, spec: JobSpec) -> None:
+        """Refuse a program this trainer may not load, whose source is not the committed one, or
+        whose config it rejects; and a built-in model of more than `max_params` parameters
+        (ResourceLimitError): all from the spec alone, before anything is built. A user program
+        (one the operator allowed) is built to check its config: only its code can tell."""
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
-            load_job_program(spec)
+            params = parameter_count(spec.program, spec.config)
+            if params is None:
+                load_job_program(spec)  # checks the source, then builds
+            else:
+                check_program_source(spec)
         except (ProgramError, ConfigError) as err:
             raise RefusedError(_one_line(err)) from None
+        if params is not None and params > self.max_params:
+            raise ResourceLimitError(f"program {spec.program!r} with this config has {params} "
+                                     f"parameters; this trainer takes at most {self.max_params}")
 
     def _status(self, job_id: bytes) -> JobStatus:
         status = self.runner.status(job_id_of(job_id))

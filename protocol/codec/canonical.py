@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgpack
 
@@ -52,6 +54,8 @@ MAX_DEPTH = 64  # nesting of arrays and maps; ovt's objects are a few levels dee
 DEFAULT_MAX_BYTES = 64 * 2**20
 
 _SCALARS = (type(None), bool, str, bytes)
+
+T = TypeVar("T")
 
 
 def encode(value: object) -> bytes:
@@ -95,6 +99,25 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> object:
                             f"byte {_first_difference(data, canonical)} ({len(data)} bytes in, "
                             f"{len(canonical)} bytes canonical)")
     return value
+
+
+def decode_object(data: bytes, build: Callable[[object], T], reencode: Callable[[T], bytes], *,
+                  what: str, max_bytes: int = DEFAULT_MAX_BYTES) -> T:
+    """The object whose encoding is exactly `data`: `build` (decoded value → object) applied to
+    `decode(data)`, accepted only if `reencode(object)` gives back `data` byte for byte.
+
+    This is the one strictness rule every decoder of untrusted bytes applies (SPEC §2: one byte
+    string per value). `decode` alone makes the *value* canonical, but an object can still be
+    built from a value that is not its own: `True` or `1.0` where an int belongs compares equal
+    to 1, so without this check two byte strings (two hashes, two ids) would decode to one
+    object. `build` raises EncodingError for a value of the wrong shape. Raises EncodingError
+    as `decode` does, and when the object re-encodes to other bytes.
+    """
+    obj = build(decode(data, max_bytes=max_bytes))
+    if reencode(obj) != bytes(data):
+        raise EncodingError(f"{what} does not re-encode to its own bytes (a field holds an alias "
+                            f"of its value, e.g. true or 1.0 for 1)")
+    return obj
 
 
 def _unpack(data: bytes) -> object:

@@ -14,6 +14,14 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 
+# The same dtypes under the names a safetensors header gives them. A peer's safetensors file
+# naming any other dtype (U16, C64, F8_E8M0...) is refused before torch sees it.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical name of `dtype` ("float32" for torch.float32)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocol.codec.canonical import PROTOCOL_VERSION
 from protocol.errors import EncodingError
 
 MAX_UINT = 2**63 - 1  # every count, step and size fits a signed 64-bit integer (SQLite, msgpack)
@@ -25,6 +26,14 @@ def require_uint(name: str, value: object, minimum: int = 0, maximum: int = MAX_
     if type(value) is not int or not minimum <= value <= maximum:
         raise EncodingError(f"{name} must be an integer in [{minimum}, {maximum}], "
                             f"got {describe(value)}")
+
+
+def require_version(what: str, value: object) -> None:
+    """`value` is PROTOCOL_VERSION as an int: never `True` or `1.0`, which compare equal to it
+    but are other bytes (SPEC §2)."""
+    if type(value) is not int or value != PROTOCOL_VERSION:
+        raise EncodingError(f"{what} has protocol version {describe(value)}, this ovt speaks "
+                            f"{PROTOCOL_VERSION}")
 
 
 def require_fields(what: str, body: object, fields: tuple[str, ...]) -> dict[str, Any]:

@@ -12,6 +12,12 @@ logical row-major order):
 All integers little-endian. `h_t = sha256(encoding)`. The hash streams the same chunks the
 encoder joins (one definition, so the two cannot drift) and hashes tensor memory through a numpy
 view, without copying it into Python bytes.
+
+Two decoders take a state from untrusted bytes: `decode_state` (the canonical encoding) and
+`load_safetensors` (a checkpoint, an S_0, evidence). Both build every tensor through one
+function, `_tensor`, so both refuse the same things with a `StateFormatError` before torch sees
+them: a dtype outside `DTYPES`, a shape torch cannot hold, a byte count that does not fit the
+shape, bool bytes other than 0 and 1.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ import struct
 import sys
 from collections.abc import Iterator, Mapping
 
-import numpy as np
+import safetensors
 import torch
 
-from protocol.codec.dtypes import DTYPES
+from protocol.codec.dtypes import DTYPES, SAFETENSORS_DTYPES
 from protocol.errors import StateFormatError
 
 MAGIC = b"OVTS"
@@ -36,6 +42,9 @@ _BYTE_VIEW = {torch.bfloat16: torch.int16}
 # Equality is on bits: NaN payloads and the sign of zero count (torch.equal says -0.0 == 0.0).
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
          torch.float16: torch.int16}
+# torch counts a tensor's elements, and each dimension, in an int64: it multiplies the
+# dimensions in order and refuses an overflow even when a later dimension is 0.
+MAX_ELEMENTS = 2**63 - 1
 
 if sys.byteorder != "little":  # raw tensor bytes are hashed as they sit in memory
     raise ImportError("ovt's canonical state encoding needs a little-endian machine")
@@ -57,6 +66,7 @@ def _chunks(state: State) -> Iterator[bytes | memoryview]:
         if t.dtype not in _NAMES:
             raise TypeError(f"state tensor {name!r} has unsupported dtype {t.dtype}")
         name_b, dtype_b = name.encode("utf-8"), _NAMES[t.dtype].encode("ascii")
+        _require_encodable(name, len(name_b), t.dim())
         data = tensor_bytes(t)
         yield (struct.pack("<H", len(name_b)) + name_b + struct.pack("<B", len(dtype_b)) + dtype_b
                + struct.pack(f"<B{t.dim()}Q", t.dim(), *t.shape) + struct.pack("<Q", data.nbytes))
@@ -77,8 +87,10 @@ def encode_state(state: State) -> bytes:
 
 
 def decode_state(data: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of `encode_state`; strict: bad magic, truncation, unsorted names or trailing bytes
-    raise `StateFormatError`. Never unpickles anything (SPEC §4)."""
+    """Inverse of `encode_state`; strict, so a decoded state re-encodes to exactly `data`:
+    bad magic, truncation, unsorted names, an unknown dtype, an impossible shape, a byte count
+    that does not fit the shape, bool bytes other than 0 and 1, or trailing bytes raise
+    `StateFormatError`, and nothing else does. Never unpickles anything (SPEC §4)."""
     view, pos = memoryview(data), 0
 
     def take(n: int) -> memoryview:
@@ -110,17 +122,71 @@ def decode_state(data: bytes) -> dict[str, torch.Tensor]:
         (ndim,) = struct.unpack("<B", take(1))
         shape = struct.unpack(f"<{ndim}Q", take(8 * ndim))
         (nbytes,) = struct.unpack("<Q", take(8))
-        numel = int(np.prod(shape, dtype=object)) if shape else 1
-        if nbytes != numel * dtype.itemsize:
-            raise StateFormatError(f"state tensor {name!r}: {nbytes} bytes for shape {shape}")
-        raw = bytearray(take(nbytes))
-        flat = torch.frombuffer(raw, dtype=_BYTE_VIEW.get(dtype, dtype)) if nbytes else \
-            torch.empty(0, dtype=_BYTE_VIEW.get(dtype, dtype))
-        state[name] = flat.view(dtype).reshape(shape)
+        state[name] = _tensor(name, bytearray(take(nbytes)), dtype, list(shape))
         previous = name
     if pos != len(view):
         raise StateFormatError(f"{len(view) - pos} trailing bytes after the state encoding")
     return state
+
+
+def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
+    """A state from safetensors bytes (a peer's S_0 or S_t, a stored checkpoint, evidence),
+    strictly and without pickle (SPEC §4): the safetensors parser reads the header and slices
+    the data, and every tensor is then built by `_tensor`, only in a dtype of `DTYPES`.
+
+    The one way ovt reads safetensors it did not just write: torch itself would answer a U16,
+    C64 or F8 tensor, or a shape such as (0, 2**64 - 1), with its own TypeError, KeyError or
+    RuntimeError. Raises StateFormatError for malformed or truncated bytes, a dtype outside
+    `DTYPES`, or any tensor `_tensor` refuses; never anything else.
+    """
+    try:
+        views = safetensors.deserialize(bytes(data))
+    except safetensors.SafetensorError as err:
+        raise StateFormatError(f"not a safetensors state: {err}") from None
+    state: dict[str, torch.Tensor] = {}
+    for name, view in views:
+        dtype = SAFETENSORS_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise StateFormatError(f"safetensors tensor {name!r} has dtype {view['dtype']!r}, "
+                                   f"not one of {', '.join(SAFETENSORS_DTYPES)}")
+        _require_encodable(name, len(name.encode("utf-8")), len(view["shape"]))
+        state[name] = _tensor(name, view["data"], dtype, view["shape"])
+    return state
+
+
+def _require_encodable(name: str, name_bytes: int, ndim: int) -> None:
+    """The canonical encoding holds a name of at most 65535 bytes (u16) and at most 255
+    dimensions (u8): anything larger has no h_t, so it is not a state (StateFormatError)."""
+    if name_bytes > 0xFFFF:
+        raise StateFormatError(f"state tensor name {name[:40]!r}… is {name_bytes} bytes long, "
+                               f"over the 65535 the encoding holds")
+    if ndim > 0xFF:
+        raise StateFormatError(f"state tensor {name[:40]!r} has {ndim} dimensions, over the 255 "
+                               f"the encoding holds")
+
+
+def _tensor(name: str, raw: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` whose little-endian row-major bytes are `raw` (which
+    becomes its memory). Raises StateFormatError for a shape torch cannot hold (a dimension or
+    the product of the non-zero dimensions over MAX_ELEMENTS), a byte count other than the
+    shape's, or bool bytes other than 0 and 1 (another byte string for the same value)."""
+    numel = 1
+    for dim in shape:
+        if type(dim) is not int or dim < 0:
+            raise StateFormatError(f"state tensor {name!r} has a bad shape")
+        numel *= max(dim, 1)
+        if numel > MAX_ELEMENTS:
+            raise StateFormatError(f"state tensor {name!r}: shape {tuple(shape)} is beyond what "
+                                   f"torch holds (non-zero dimensions multiply past 2**63 - 1)")
+    numel = numel if all(shape) else 0
+    if len(raw) != numel * dtype.itemsize:
+        raise StateFormatError(f"state tensor {name!r}: {len(raw)} bytes for shape "
+                               f"{tuple(shape)} of {dtype}")
+    if dtype == torch.bool and raw.translate(None, b"\x00\x01"):
+        raise StateFormatError(f"state tensor {name!r}: a bool byte other than 0 or 1")
+    storage = _BYTE_VIEW.get(dtype, dtype)
+    flat = torch.frombuffer(raw, dtype=storage) if raw else torch.empty(0, dtype=storage)
+    return flat.view(dtype).reshape(shape)
 
 
 def states_equal(a: State, b: State) -> bool:

@@ -21,8 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.codec.canonical import decode, encode
-from protocol.codec.fields import MAX_UINT, describe, require_bytes, require_fields, require_uint
+from protocol.codec.canonical import decode_object, encode
+from protocol.codec.fields import (
+    MAX_UINT,
+    describe,
+    hex_or_repr,
+    require_bytes,
+    require_fields,
+    require_uint,
+)
 from protocol.commit.hashing import HASH_SIZE
 from protocol.commit.keys import (
     PUBLIC_KEY_SIZE,
@@ -102,13 +109,17 @@ class SignedCommitment:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SignedCommitment:
-        """Parse untrusted bytes (canonical encoding only). Raises EncodingError.
+        """Parse untrusted bytes: canonical, and re-encoding to exactly `data` (SPEC §2,
+        `decode_object`). Raises EncodingError.
 
         Does not check the signature: call `verify`.
         """
-        obj = require_fields("signed commitment",
-                              decode(data, max_bytes=_MAX_SIGNED_COMMITMENT_BYTES),
-                              ("commitment", "signature"))
+        return decode_object(data, cls._from_body, cls.to_bytes, what="signed commitment",
+                             max_bytes=_MAX_SIGNED_COMMITMENT_BYTES)
+
+    @classmethod
+    def _from_body(cls, body: object) -> SignedCommitment:
+        obj = require_fields("signed commitment", body, ("commitment", "signature"))
         return cls(Commitment.from_body(obj["commitment"]), obj["signature"])
 
     def verify_signature(self) -> None:
@@ -130,18 +141,15 @@ class SignedCommitment:
         c = self.commitment
         if c.job_id != job_id:
             raise SignatureError(f"commitment is for job {c.job_id.hex()}, expected job "
-                                 f"{_hex(job_id)}")
+                                 f"{hex_or_repr(job_id)}")
         if c.role != role:
             raise SignatureError(f"commitment role is {c.role!r}, expected {role!r}")
         if n is not None and c.n != n:
             raise SignatureError(f"commitment is over n = {c.n} steps, expected n = {n}")
         if public_key is not None and c.public_key != public_key:
             raise SignatureError(f"commitment is signed by key {c.public_key.hex()}, expected "
-                                 f"key {_hex(public_key)}")
+                                 f"key {hex_or_repr(public_key)}")
 
-
-def _hex(value: object) -> str:
-    return value.hex() if isinstance(value, bytes) else repr(value)
 
 
 def sign_commitment(commitment: Commitment, key: KeyPair) -> SignedCommitment:
@@ -214,8 +222,10 @@ class Claim:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Claim:
-        """Parse untrusted bytes (canonical encoding only). Raises EncodingError."""
-        return cls.from_body(decode(data, max_bytes=_MAX_CLAIM_BYTES))
+        """Parse untrusted bytes: canonical, and re-encoding to exactly `data` (SPEC §2,
+        `decode_object`). Raises EncodingError."""
+        return decode_object(data, cls.from_body, cls.to_bytes, what="claim",
+                             max_bytes=_MAX_CLAIM_BYTES)
 
     def verify(self, signed: SignedCommitment) -> None:
         """Check this leaf against the signed root of `signed`.

@@ -8,7 +8,8 @@ the job's h_0 (SPEC §5.2) at the start instead of spending a round on it. Each 
 party, whoever delivers it: it verifies only under that party's signed root. The auditor's leaf
 j is absent when it could not replay step j at all (the trainer's log for it was invalid or did
 not match the trainer's leaf); its commitment then ends at step j - 1. `Challenge.verify` checks
-all of it; the bytes are canonical (`protocol.codec.canonical`) and `from_bytes` is strict, so a
+all of it by the bisection game's own rule (`game.start`: one rule, in one place); the bytes
+are canonical (`protocol.codec.canonical`) and `from_bytes` is strict, so a
 challenge file is checked the same way wherever it is read.
 """
 
@@ -16,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
+from protocol.codec.canonical import PROTOCOL_VERSION, decode_object, encode
+from protocol.codec.fields import require_fields, require_version
 from protocol.commit.commitments import Claim, SignedCommitment
-from protocol.errors import EncodingError, ProofError
+from protocol.dispute.game import start
+from protocol.errors import EncodingError, ProofError, SignatureError
+from protocol.job.spec import JobSpec
 
 _FIELDS = ("protocol_version", "job_id", "step", "reason", "trainer_commitment", "trainer_leaf",
            "auditor_commitment", "auditor_leaf", "trainer_leaf0", "auditor_leaf0")
@@ -73,15 +77,18 @@ class Challenge:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Challenge:
-        """Parse untrusted bytes (canonical only). Raises EncodingError; does not `verify`."""
-        body = decode(data, max_bytes=_MAX_BYTES)
-        if not isinstance(body, dict) or set(body) != set(_FIELDS):
-            raise EncodingError(f"a challenge is a map with the fields {', '.join(_FIELDS)}")
-        if body["protocol_version"] != PROTOCOL_VERSION:
-            raise EncodingError(f"challenge has protocol version {body['protocol_version']!r}, "
-                                f"this ovt speaks {PROTOCOL_VERSION}")
+        """Parse untrusted bytes: canonical, exactly the challenge's fields, and re-encoding to
+        exactly `data` (SPEC §2, `decode_object`), so protocol_version `True` or a step `1.0`
+        is refused. Raises EncodingError; does not `verify`."""
+        return decode_object(data, cls._from_body, cls.to_bytes, what="challenge",
+                             max_bytes=_MAX_BYTES)
+
+    @classmethod
+    def _from_body(cls, body: object) -> Challenge:
+        body = require_fields("challenge", body, _FIELDS)
+        require_version("challenge", body["protocol_version"])
         for name in ("trainer_commitment", "auditor_commitment"):
-            if not isinstance(body[name], bytes):
+            if type(body[name]) is not bytes:
                 raise EncodingError(f"challenge {name} must be bytes")
         auditor_leaf = body["auditor_leaf"]
         return cls(body["job_id"], body["step"], body["reason"],
@@ -91,34 +98,28 @@ class Challenge:
                    None if auditor_leaf is None else Claim.from_body(auditor_leaf),
                    Claim.from_body(body["trainer_leaf0"]), Claim.from_body(body["auditor_leaf0"]))
 
-    def verify(self) -> None:
-        """Check both commitments (signatures, this job, the right roles), every leaf against
-        its party's signed root, and that the leaves j really differ. (Whether the leaves 0 are
-        the job's h_0 is for the arbiter to judge: it is a finding, not a malformed challenge.)
+    def verify(self, spec: JobSpec) -> None:
+        """Check this challenge against job `spec` by the game's own rule: the checks (a) and
+        (b) of `protocol.dispute.game.start` (SPEC §5.1, §5.2), with each commitment's own key
+        taken as its party's registered key. There is no second rule: what passes here is what
+        an arbiter's game accepts (1 <= j <= n, both commitments, every leaf under its party's
+        root, differing leaves j). Whether the leaves 0 are the job's h_0 is a finding for the
+        arbiter, not a malformed challenge, and is not checked.
 
-        Raises SignatureError for a bad or misbound signature, ProofError (RootMismatchError)
-        for a leaf that is not at `step` under its party's root or leaves that agree.
+        Raises ProofError for a challenge of another job or one the game rules a bad challenge,
+        SignatureError for one whose commitments the game refuses.
         """
-        self.trainer_commitment.verify(job_id=self.job_id, role="trainer")
-        self.auditor_commitment.verify(job_id=self.job_id, role="auditor")
-        _require_step(self.trainer_leaf, self.step, "trainer")
-        self.trainer_leaf.verify(self.trainer_commitment)
-        for party, leaf0, signed in (("trainer", self.trainer_leaf0, self.trainer_commitment),
-                                     ("auditor", self.auditor_leaf0, self.auditor_commitment)):
-            _require_step(leaf0, 0, party)
-            leaf0.verify(signed)
-        if self.auditor_leaf is None:
-            if self.auditor_commitment.commitment.n + 1 != self.step:
-                raise ProofError(f"a challenge without the auditor's leaf {self.step} needs the "
-                                 f"auditor's commitment to end at step {self.step - 1}, not "
-                                 f"{self.auditor_commitment.commitment.n}")
-            return
-        _require_step(self.auditor_leaf, self.step, "auditor")
-        self.auditor_leaf.verify(self.auditor_commitment)
-        if self.auditor_leaf.state_hash == self.trainer_leaf.state_hash:
-            raise ProofError(f"the challenged leaves {self.step} agree on the state hash")
-
-
-def _require_step(claim: Claim, step: int, party: str) -> None:
-    if claim.step != step:
-        raise ProofError(f"the {party}'s leaf is for step {claim.step}, expected step {step}")
+        if self.job_id != spec.job_id:
+            raise ProofError(f"the challenge is for job {self.job_id.hex()}, not "
+                             f"{spec.job_id.hex()}")
+        state = start(spec, self.trainer_commitment, self.auditor_commitment, self.step,
+                      trainer_key=self.trainer_commitment.commitment.public_key,
+                      auditor_key=self.auditor_commitment.commitment.public_key,
+                      trainer_leaf=self.trainer_leaf, auditor_leaf=self.auditor_leaf,
+                      trainer_leaf0=self.trainer_leaf0, auditor_leaf0=self.auditor_leaf0,
+                      now=0.0, deadline_s=1.0)
+        outcome = state.outcome
+        if outcome is not None and outcome.kind == "bad-commitment":
+            raise SignatureError(outcome.reason)
+        if outcome is not None and outcome.kind == "bad-challenge":
+            raise ProofError(outcome.reason)

@@ -13,9 +13,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from protocol.codec.canonical import decode, encode
-from protocol.codec.fields import MAX_UINT, hex_or_repr
-from protocol.codec.state import decode_state, encode_state
+from protocol.codec.canonical import decode_object, encode
+from protocol.codec.fields import hex_or_repr, require_fields, require_uint
+from protocol.codec.state import decode_state, encode_state, load_safetensors
 from protocol.commit.data import ProvenExample
 from protocol.commit.hashing import HASH_SIZE
 from protocol.commit.merkle import MAX_PROOF_LEN
@@ -34,19 +34,16 @@ MAX_EXAMPLES_BYTES = 256 * 2**20
 MAX_EVIDENCE_FILE_BYTES = 4 * 2**30
 
 
-
 def save_evidence(directory: str | Path, prev_state: dict[str, torch.Tensor],
                   examples: list[ProvenExample], log: bytes) -> None:
     """Write the re-execution's evidence so anyone can re-run step i offline: S_{i-1} as
-    safetensors, B_i's examples (index, canonical state encoding, proof) as canonical bytes,
-    and L_i's bytes. Nothing is pickled (SPEC §4). Files are written atomically."""
+    safetensors, B_i's examples (`encode_examples`) and L_i's bytes. Nothing is pickled
+    (SPEC §4). Files are written atomically."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in prev_state.items()}
     atomic_write(directory / STATE_FILE, safetensors.torch.save(tensors))
-    items = [{"index": int(e.index), "example": encode_state(e.example),
-              "proof": [bytes(p) for p in e.proof]} for e in examples]
-    atomic_write(directory / EXAMPLES_FILE, encode({"kind": EXAMPLES_KIND, "examples": items}))
+    atomic_write(directory / EXAMPLES_FILE, encode_examples(examples))
     atomic_write(directory / LOG_FILE, bytes(log))
 
 
@@ -54,47 +51,57 @@ def load_evidence(directory: str | Path) -> tuple[dict[str, torch.Tensor], list[
                                                   bytes]:
     """Read what `save_evidence` wrote: (S_{i-1}, B_i's proven examples, L_i bytes).
 
-    Strict and pickle-free: safetensors for the state, the canonical encoding (exact fields,
-    32-byte proof hashes, canonical example encodings) for the examples. Raises VerdictError
-    for a missing, oversized or malformed file. Does not check the evidence against a dispute:
-    `reexecute` does.
+    Strict and pickle-free: `load_safetensors` for the state, `decode_examples` for the
+    examples. Raises VerdictError for a missing, oversized or malformed file. Does not check
+    the evidence against a dispute: `reexecute` does.
     """
     directory = Path(directory)
-    raw = _read(directory / STATE_FILE)
     try:
-        prev_state = safetensors.torch.load(raw)
-    except Exception as err:  # untrusted bytes: any parser failure is a bad file
+        prev_state = load_safetensors(_read(directory / STATE_FILE))
+    except StateFormatError as err:
         raise VerdictError(f"{directory / STATE_FILE} is not a safetensors state: {err}") \
             from None
     try:
-        body = decode(_read(directory / EXAMPLES_FILE, MAX_EXAMPLES_BYTES),
-                      max_bytes=MAX_EXAMPLES_BYTES)
+        examples = decode_examples(_read(directory / EXAMPLES_FILE, MAX_EXAMPLES_BYTES))
     except EncodingError as err:
         raise VerdictError(f"{directory / EXAMPLES_FILE} does not parse: {err}") from None
-    examples = _examples_from_body(body, directory / EXAMPLES_FILE)
     return prev_state, examples, _read(directory / LOG_FILE)
 
 
-def _examples_from_body(body: object, path: Path) -> list[ProvenExample]:
-    if not isinstance(body, dict) or set(body) != {"kind", "examples"} \
-            or body["kind"] != EXAMPLES_KIND or not isinstance(body["examples"], list):
-        raise VerdictError(f"{path} is not an ovt evidence examples file")
+def encode_examples(examples: list[ProvenExample]) -> bytes:
+    """The canonical bytes of B_i's examples: each its index, its canonical state encoding and
+    its data proof (the one encoding `decode_examples` inverts)."""
+    items = [{"index": int(e.index), "example": encode_state(e.example),
+              "proof": [bytes(p) for p in e.proof]} for e in examples]
+    return encode({"kind": EXAMPLES_KIND, "examples": items})
+
+
+def decode_examples(data: bytes) -> list[ProvenExample]:
+    """Examples from untrusted bytes: canonical, exact fields, 32-byte proof hashes, canonical
+    example encodings, and re-encoding to exactly `data` (SPEC §2, `decode_object`). Raises
+    EncodingError."""
+    return decode_object(data, _examples_from_body, encode_examples, what="evidence examples",
+                         max_bytes=MAX_EXAMPLES_BYTES)
+
+
+def _examples_from_body(body: object) -> list[ProvenExample]:
+    body = require_fields("an evidence examples file", body, ("kind", "examples"))
+    if body["kind"] != EXAMPLES_KIND or type(body["examples"]) is not list:
+        raise EncodingError("not an ovt evidence examples file")
     examples = []
     for k, item in enumerate(body["examples"]):
-        if not isinstance(item, dict) or set(item) != {"index", "example", "proof"}:
-            raise VerdictError(f"{path}: example {k} must have the fields example, index, proof")
+        item = require_fields(f"example {k}", item, ("index", "example", "proof"))
         index, data, proof = item["index"], item["example"], item["proof"]
-        if type(index) is not int or not 0 <= index <= MAX_UINT:
-            raise VerdictError(f"{path}: example {k} has a bad index")
+        require_uint(f"example {k} index", index)
         if type(data) is not bytes:
-            raise VerdictError(f"{path}: example {k} must be encoded bytes")
+            raise EncodingError(f"example {k} must be encoded bytes")
         if type(proof) is not list or len(proof) > MAX_PROOF_LEN or \
                 not all(type(p) is bytes and len(p) == HASH_SIZE for p in proof):
-            raise VerdictError(f"{path}: example {k} has a malformed proof")
+            raise EncodingError(f"example {k} has a malformed proof")
         try:
             example = decode_state(data)
         except StateFormatError as err:
-            raise VerdictError(f"{path}: example {k} does not decode: {err}") from None
+            raise EncodingError(f"example {k} does not decode: {err}") from None
         examples.append(ProvenExample(index, example, list(proof)))
     return examples
 

@@ -18,7 +18,8 @@ The game, as played here:
   both parties' leaf-0 claims, which the challenge carries, are for step 0 and verify under
   their party's signed root. A challenge that fails is the auditor's fault ("bad-challenge"):
   the challenge is the auditor's document. A leaf-0 claim with its inclusion proof binds its
-  party whoever delivers it, so the arbiter asks no leaf-0 question;
+  party whoever delivers it, so the arbiter asks no leaf-0 question. (a) and (b) are the one
+  rule for a valid challenge: `Challenge.verify` applies them by calling `start`;
   (c) leaf 0 against the job (SPEC §5.2: "Leaf 0 is checked against the job spec's h_0"):
   a party whose leaf 0 is not (0, h_0, EMPTY_LOG_DIGEST) loses ("h0-mismatch", step 0; fault
   "both" when both differ).

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from protocol.codec.fields import abbrev
 from protocol.codec.roundinglog import decode_log, log_digest
 from protocol.codec.state import state_digest
 from protocol.commit.data import ProvenExample, example_digest, verify_examples
@@ -156,8 +157,8 @@ def check_state(dispute: Dispute, state: object) -> tuple[bytes | None, str | No
     except (TypeError, AttributeError, ValueError, RuntimeError) as err:
         return None, f"S_{step - 1} cannot be hashed as a state: {err}"
     if digest != dispute.agreed.state_hash:
-        return digest, (f"S_{step - 1} hashes to {_short(digest)}, not the agreed "
-                        f"h_{step - 1} = {_short(dispute.agreed.state_hash)}")
+        return digest, (f"S_{step - 1} hashes to {abbrev(digest)}, not the agreed "
+                        f"h_{step - 1} = {abbrev(dispute.agreed.state_hash)}")
     counter = state.get("step")
     if not isinstance(counter, torch.Tensor) or counter.numel() != 1 \
             or counter.is_floating_point() or int(counter) != step - 1:
@@ -193,8 +194,8 @@ def check_log(dispute: Dispute, log: object) -> tuple[bytes | None, str | None]:
         return None, f"L_{step} must be bytes, not {type(log).__name__}"
     digest = log_digest(bytes(log))
     if digest != dispute.trainer.log_hash:
-        return digest, (f"L_{step} hashes to {_short(digest)}, not the trainer's "
-                        f"ℓ_{step} = {_short(dispute.trainer.log_hash)}")
+        return digest, (f"L_{step} hashes to {abbrev(digest)}, not the trainer's "
+                        f"ℓ_{step} = {abbrev(dispute.trainer.log_hash)}")
     return digest, None
 
 
@@ -241,13 +242,10 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
         raise AssertionError(f"the executor ran step {ex.step_count}, not {step}")
     h_star = state_digest(ex.state())
     return result("computed", f"replayed step {step} with the trainer's L_{step} on "
-                              f"{profile.describe()}: h_{step}* = {_short(h_star)}", h_star)
+                              f"{profile.describe()}: h_{step}* = {abbrev(h_star)}", h_star)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-def _short(digest: bytes) -> str:
-    return digest.hex()[:16] + "…"
 
 
 def _line(text: str) -> str:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
+from protocol.codec.canonical import PROTOCOL_VERSION, decode_object, encode
+from protocol.codec.fields import describe, require_fields, require_version
 from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.dispute.game import (
     MAX_ANSWER_BYTES,
@@ -70,15 +71,17 @@ def record_body(record: Record) -> dict[str, Any]:
 
 
 def record_from_body(body: object) -> Record:
-    """The record a map describes. Raises EncodingError for unknown types or wrong fields."""
-    if not isinstance(body, dict) or body.get("type") not in _RECORD_FIELDS:
+    """The record a map describes. Raises EncodingError for anything but a map with a known
+    "type" and exactly that record's fields, each of its exact type (a step `True` or a time
+    `1` is refused: SPEC §2)."""
+    kind = body.get("type") if isinstance(body, dict) else None
+    if type(kind) is not str or kind not in _RECORD_FIELDS:
         raise EncodingError("a transcript record is a map with a known \"type\"")
-    cls, fields = _RECORD_FIELDS[body["type"]]
-    if set(body) != {"type", *fields}:
-        raise EncodingError(f"a {body['type']} record has the fields {', '.join(fields)}")
+    cls, fields = _RECORD_FIELDS[kind]
+    body = require_fields(f"a {kind} record", body, ("type", *fields))
     for name, types in fields.items():
         if type(body[name]) not in types:
-            raise EncodingError(f"{body['type']} record field {name} has the wrong type")
+            raise EncodingError(f"{kind} record field {name} has the wrong type")
     return cls(**{name: body[name] for name in fields})
 
 
@@ -87,28 +90,43 @@ def transcript_bytes(state: GameState) -> bytes:
     keys, and every record (the outcome last, once over). What a verdict signs."""
     if not isinstance(state, GameState):
         raise TypeError(f"state must be a GameState, not {type(state).__name__}")
+    return encode_transcript(Transcript(state.job_id, state.trainer, state.auditor,
+                                        state.trainer_key, state.auditor_key, state.transcript))
+
+
+def encode_transcript(transcript: Transcript) -> bytes:
+    """The canonical bytes of a transcript (the one encoding `decode_transcript` inverts)."""
     return encode({
-        "kind": TRANSCRIPT_KIND, "protocol_version": PROTOCOL_VERSION, "job_id": state.job_id,
-        "trainer_commitment": state.trainer.to_bytes(),
-        "auditor_commitment": state.auditor.to_bytes(),
-        "trainer_key": state.trainer_key, "auditor_key": state.auditor_key,
-        "records": [record_body(r) for r in state.transcript],
+        "kind": TRANSCRIPT_KIND, "protocol_version": PROTOCOL_VERSION,
+        "job_id": transcript.job_id, "trainer_commitment": transcript.trainer.to_bytes(),
+        "auditor_commitment": transcript.auditor.to_bytes(),
+        "trainer_key": transcript.trainer_key, "auditor_key": transcript.auditor_key,
+        "records": [record_body(r) for r in transcript.records],
     })
 
 
+_TRANSCRIPT_FIELDS = ("kind", "protocol_version", "job_id", "trainer_commitment",
+                      "auditor_commitment", "trainer_key", "auditor_key", "records")
+
+
 def decode_transcript(data: bytes) -> Transcript:
-    """Strictly parse transcript bytes (canonical only). Raises EncodingError; does not replay."""
-    body = decode(data, max_bytes=MAX_TRANSCRIPT_BYTES)
-    fields = {"kind", "protocol_version", "job_id", "trainer_commitment", "auditor_commitment",
-              "trainer_key", "auditor_key", "records"}
-    if not isinstance(body, dict) or set(body) != fields:
-        raise EncodingError(f"a transcript is a map with the fields {', '.join(sorted(fields))}")
-    if body["kind"] != TRANSCRIPT_KIND or body["protocol_version"] != PROTOCOL_VERSION:
-        raise EncodingError(f"not a protocol {PROTOCOL_VERSION} bisection transcript")
-    for name in fields - {"kind", "protocol_version", "records"}:
+    """Strictly parse transcript bytes: canonical, exactly the transcript's fields and
+    records, and re-encoding to exactly `data` (SPEC §2, `decode_object`), so a
+    protocol_version `True` or `1.0` is refused. Raises EncodingError; does not replay."""
+    return decode_object(data, _transcript_from_body, encode_transcript, what="transcript",
+                         max_bytes=MAX_TRANSCRIPT_BYTES)
+
+
+def _transcript_from_body(body: object) -> Transcript:
+    body = require_fields("a transcript", body, _TRANSCRIPT_FIELDS)
+    if body["kind"] != TRANSCRIPT_KIND:
+        raise EncodingError(f"not a bisection transcript (kind {describe(body['kind'])})")
+    require_version("transcript", body["protocol_version"])
+    for name in ("job_id", "trainer_commitment", "auditor_commitment", "trainer_key",
+                 "auditor_key"):
         if type(body[name]) is not bytes:
             raise EncodingError(f"transcript field {name} must be bytes")
-    if not isinstance(body["records"], list):
+    if type(body["records"]) is not list:
         raise EncodingError("transcript records must be a list")
     return Transcript(body["job_id"], SignedCommitment.from_bytes(body["trainer_commitment"]),
                       SignedCommitment.from_bytes(body["auditor_commitment"]),
@@ -147,7 +165,7 @@ def replay_transcript(spec: JobSpec, trainer: SignedCommitment, auditor: SignedC
         leaves = [None if b is None else Claim.from_bytes(b)
                   for b in (first.trainer_leaf, first.auditor_leaf, first.trainer_leaf0,
                             first.auditor_leaf0)]
-    except (EncodingError, TypeError) as err:
+    except EncodingError as err:
         raise TranscriptError(f"the start record's challenged leaves do not parse: {err}") \
             from None
     if leaves[0] is None:

@@ -19,8 +19,15 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
-from protocol.codec.fields import MAX_UINT, hex_or_repr, require_bytes, require_uint
+from protocol.codec.canonical import PROTOCOL_VERSION, decode_object, encode
+from protocol.codec.fields import (
+    MAX_UINT,
+    hex_or_repr,
+    require_bytes,
+    require_fields,
+    require_uint,
+    require_version,
+)
 from protocol.commit.hashing import HASH_SIZE
 from protocol.commit.keys import (
     PUBLIC_KEY_SIZE,
@@ -79,8 +86,7 @@ class Verdict:
     signature: bytes
 
     def __post_init__(self) -> None:
-        if type(self.protocol_version) is not int or self.protocol_version != PROTOCOL_VERSION:
-            raise EncodingError(f"not a protocol {PROTOCOL_VERSION} verdict")
+        require_version("verdict", self.protocol_version)
         require_bytes("verdict job_id", self.job_id, HASH_SIZE)
         for name in ("spec", "transcript"):
             if type(getattr(self, name)) is not bytes or not getattr(self, name):
@@ -116,18 +122,18 @@ class Verdict:
     @classmethod
     def from_bytes(cls, data: bytes) -> Verdict:
         """Strictly parse verdict bytes: canonical encoding, at most MAX_VERDICT_BYTES, exactly
-        the verdict's fields, each of the right shape. Raises EncodingError. Checks neither the
-        signature nor the decision (`verify_verdict` does)."""
-        body = decode(data, max_bytes=MAX_VERDICT_BYTES)
-        if not isinstance(body, dict) or set(body) != set(_FIELDS):
-            raise EncodingError(f"a verdict is a map with the fields {', '.join(sorted(_FIELDS))}")
-        fields = dict(body)
+        the verdict's fields, each of the right shape, re-encoding to exactly `data` (SPEC §2,
+        `decode_object`). Raises EncodingError. Checks neither the signature nor the decision
+        (`verify_verdict` does)."""
+        return decode_object(data, cls._from_body, cls.to_bytes, what="verdict",
+                             max_bytes=MAX_VERDICT_BYTES)
+
+    @classmethod
+    def _from_body(cls, body: object) -> Verdict:
+        fields = dict(require_fields("a verdict", body, _FIELDS))
         if fields["reexecution"] is not None:
             fields["reexecution"] = Reexecution.from_body(fields["reexecution"])
-        verdict = cls(**fields)
-        if verdict.to_bytes() != bytes(data):
-            raise EncodingError("the verdict does not re-encode to its own bytes")
-        return verdict
+        return cls(**fields)
 
 
 def sign_verdict(spec: JobSpec, game: GameState, reexec: Reexecution | None, *,
@@ -230,7 +236,7 @@ def replayed(verdict: Verdict) -> tuple[JobSpec, GameState]:
     """The verdict's job spec and its game re-derived from the transcript alone."""
     try:
         spec = JobSpec.from_bytes(verdict.spec)
-    except (OvtError, KeyError, TypeError, ValueError) as err:
+    except EncodingError as err:
         raise VerdictError(f"the verdict's job spec does not parse: {err}") from None
     if spec.job_id != verdict.job_id:
         raise VerdictError(f"the verdict's job spec hashes to job {spec.job_id.hex()}, not the "

@@ -52,12 +52,18 @@ def load_job_program(spec: JobSpec) -> TrainingProgram:
     Raises ProgramError if the source differs (or the program cannot be loaded), ConfigError if
     its config is not valid for it.
     """
+    check_program_source(spec)
+    return load_program(spec.program, spec.config)
+
+
+def check_program_source(spec: JobSpec) -> None:
+    """Check that the source of the program `spec` names is the one the job committed to,
+    without loading the program. Raises ProgramError if it differs or cannot be read."""
     digest = hashlib.sha256(program_source(spec.program)).digest()
     if digest != spec.program_source_hash:
         raise ProgramError(f"the source of program {spec.program!r} differs from the one "
                            f"this job committed to ({digest.hex()[:16]}… != "
                            f"{spec.program_source_hash.hex()[:16]}…)")
-    return load_program(spec.program, spec.config)
 
 
 def job_executor(spec: JobSpec, profile: Profile) -> Executor:

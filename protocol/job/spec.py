@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
+from protocol.codec.canonical import PROTOCOL_VERSION, decode_object, encode
 from protocol.codec.dtypes import DTYPES, dtype_name
+from protocol.codec.fields import require_version
 from protocol.commit.data import DataCommitment
 from protocol.commit.hashing import HASH_SIZE
 from protocol.engine.precision import PrecisionPolicy
@@ -60,40 +61,35 @@ class JobSpec:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> JobSpec:
-        """Strictly decode a job spec received from anyone: EncodingError if malformed, or if
-        the decoded spec would re-encode to other bytes (an alias such as protocol_version
-        `True` or `1.0` would hash to another job id than the job it decodes to)."""
-        body = decode(data)
-        try:
-            spec = cls._from_body(body)
-        except (KeyError, TypeError, ValueError, ConfigError) as err:
-            raise EncodingError(f"not a valid job spec: {err}") from None
-        if spec.to_bytes() != bytes(data):
-            raise EncodingError("job spec has non-canonical field values")
-        return spec
+        """Strictly decode a job spec received from anyone (SPEC §2, `decode_object`): the
+        spec must re-encode to exactly `data`, since an alias such as protocol_version `True`
+        or `1.0` would hash to another job id than the job it decodes to. Raises
+        EncodingError for malformed bytes, a missing, unknown or ill-typed field, or an
+        alias."""
+        return decode_object(data, cls._from_body, cls.to_bytes, what="job spec")
 
     @classmethod
     def _from_body(cls, body: object) -> JobSpec:
         if not isinstance(body, dict):
             raise EncodingError("job spec must be a map")
-        if body["protocol_version"] != PROTOCOL_VERSION:
-            raise EncodingError(f"job spec has protocol version {body['protocol_version']}, "
-                                f"this ovt speaks {PROTOCOL_VERSION}")
-        data, prec = body["data"], body["precision"]
-        _require(isinstance(data, dict) and isinstance(prec, dict), "bad data or precision")
-        spec = cls(
-            program=typed(body["program"], str), config=typed(body["config"], dict),
-            program_source_hash=_hash32(body["program_source_hash"]),
-            data=DataCommitment(_hash32(data["root"]), count(data["count"], 1)),
-            h0=_hash32(body["h0"]), steps=count(body["steps"], 1), seed=count(body["seed"], 0),
-            policy=PrecisionPolicy(DTYPES[prec["compute"]], DTYPES[prec["target"]],
-                                   typed(prec["tau"], float), typed(prec["tau_ieee"], float)),
-            checkpoint_interval=count(body["checkpoint_interval"], 1),
-            commit_interval=count(body["commit_interval"], 1),
-        )
-        if spec.to_body() != body:
-            raise EncodingError("job spec has unknown or non-canonical fields")
-        return spec
+        try:
+            require_version("job spec", body["protocol_version"])
+            data, prec = body["data"], body["precision"]
+            _require(isinstance(data, dict) and isinstance(prec, dict), "bad data or precision")
+            return cls(
+                program=typed(body["program"], str), config=typed(body["config"], dict),
+                program_source_hash=_hash32(body["program_source_hash"]),
+                data=DataCommitment(_hash32(data["root"]), count(data["count"], 1)),
+                h0=_hash32(body["h0"]), steps=count(body["steps"], 1),
+                seed=count(body["seed"], 0),
+                policy=PrecisionPolicy(DTYPES[prec["compute"]], DTYPES[prec["target"]],
+                                       typed(prec["tau"], float),
+                                       typed(prec["tau_ieee"], float)),
+                checkpoint_interval=count(body["checkpoint_interval"], 1),
+                commit_interval=count(body["commit_interval"], 1),
+            )
+        except (KeyError, TypeError, ValueError, ConfigError) as err:
+            raise EncodingError(f"not a valid job spec: {err}") from None
 
     def summary(self) -> dict:
         """A human/JSON-friendly view (hashes in hex)."""

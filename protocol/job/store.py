@@ -27,15 +27,17 @@ import safetensors.torch
 import torch
 
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST, decode_log, log_digest
-from protocol.codec.state import state_digest
+from protocol.codec.state import load_safetensors, state_digest
 from protocol.commit.commitments import SignedCommitment
+from protocol.commit.hashing import HASH_SIZE
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
 from protocol.engine.executor import Executor
-from protocol.errors import StoreError
+from protocol.errors import StateFormatError, StoreError
 from protocol.files import atomic_write
 from protocol.job.spec import JobSpec
 
+SPEC_FILE = "spec.ovtjob"  # a job's store exists once its directory holds this file
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS leaves (
     step INTEGER PRIMARY KEY, state_hash BLOB NOT NULL, log_hash BLOB NOT NULL,
@@ -43,6 +45,19 @@ CREATE TABLE IF NOT EXISTS leaves (
 CREATE TABLE IF NOT EXISTS commitments (
     n INTEGER PRIMARY KEY, signed BLOB NOT NULL);
 """
+
+
+def _checked_leaf(step: int, state_hash: bytes, log_hash: bytes, leaf_hash: bytes) -> Leaf:
+    """A leaves row as a Leaf, refusing a damaged row (a damaged database may hold anything in
+    a BLOB column): all three hashes must be HASH_SIZE bytes and the stored leaf hash the one
+    the others give, so a corrupted row is never served or signed. Raises StoreError."""
+    if not all(type(h) is bytes and len(h) == HASH_SIZE
+               for h in (state_hash, log_hash, leaf_hash)):
+        raise StoreError(f"the stored leaf of step {step} is damaged (a field of the wrong size)")
+    leaf = Leaf(step, state_hash, log_hash)
+    if leaf.hash != leaf_hash:
+        raise StoreError(f"the stored leaf of step {step} is damaged (its hash does not match)")
+    return leaf
 
 
 class JobStore:
@@ -53,7 +68,7 @@ class JobStore:
         self.dir = Path(root) / spec.job_id.hex()
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.dir / "checkpoints").mkdir(exist_ok=True)
-        spec_file = self.dir / "spec.ovtjob"
+        spec_file = self.dir / SPEC_FILE
         if spec_file.exists():
             if spec_file.read_bytes() != spec.to_bytes():
                 raise StoreError(f"{spec_file} holds another job spec than job "
@@ -69,7 +84,7 @@ class JobStore:
     @classmethod
     def open(cls, root: Path, job_id_hex: str) -> JobStore:
         """Open an existing job's store by its id (checks the spec file against the id)."""
-        spec_file = Path(root) / job_id_hex / "spec.ovtjob"
+        spec_file = Path(root) / job_id_hex / SPEC_FILE
         try:
             spec = JobSpec.from_bytes(spec_file.read_bytes())
         except OSError:
@@ -128,18 +143,20 @@ class JobStore:
         return -1 if row[0] is None else row[0]
 
     def leaf(self, step: int) -> Leaf:
+        """Leaf t, checked (`_checked_leaf`). Raises StoreError if absent or damaged."""
         with self._lock:
-            row = self._db.execute("SELECT step, state_hash, log_hash FROM leaves WHERE step=?",
-                                   (step,)).fetchone()
+            row = self._db.execute("SELECT step, state_hash, log_hash, leaf_hash FROM leaves "
+                                   "WHERE step=?", (step,)).fetchone()
         if row is None:
             raise StoreError(f"no leaf for step {step} (last stored step {self.last_step()})")
-        return Leaf(*row)
+        return _checked_leaf(*row)
 
     def leaves(self) -> list[Leaf]:
+        """Every stored leaf in step order, each checked. Raises StoreError if one is damaged."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT step, state_hash, log_hash FROM leaves ORDER BY step").fetchall()
-        return [Leaf(*row) for row in rows]
+            rows = self._db.execute("SELECT step, state_hash, log_hash, leaf_hash FROM leaves "
+                                    "ORDER BY step").fetchall()
+        return [_checked_leaf(*row) for row in rows]
 
     def tree(self, upto: int | None = None) -> MerkleTree:
         """The Merkle tree over leaves 0..upto (default: all stored)."""
@@ -174,11 +191,15 @@ class JobStore:
         return data
 
     def checkpoint(self, step: int) -> dict[str, torch.Tensor] | None:
-        """S_t from its checkpoint file if present and matching leaf t, else None."""
+        """S_t from its checkpoint file if present, parsable and matching leaf t, else None.
+
+        Any damage counts as missing, in the header as in the body (`load_safetensors` raises
+        only StateFormatError), so `state_at` regenerates around it from an earlier
+        checkpoint (SPEC §4)."""
         path = self._checkpoint_path(step)
         try:
-            state = safetensors.torch.load(path.read_bytes())
-        except (OSError, safetensors.SafetensorError, ValueError):
+            state = load_safetensors(path.read_bytes())
+        except (OSError, StateFormatError):
             return None
         return state if state_digest(state) == self.leaf(step).state_hash else None
 

@@ -97,6 +97,25 @@ def test_evidence_a_hostile_trainer_garbles_is_taken_from_the_auditor(job, tmp_p
     assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "wrong-state", 4)
 
 
+class _UnencodableState(StoreParty):
+    """Serves an S_t with a tensor name longer than the canonical encoding holds."""
+
+    def state(self, step, timeout_s):
+        return {"step": torch.tensor(step), "x" * 70_000: torch.zeros(1)}
+
+
+def test_a_state_the_encoding_cannot_hold_is_the_partys_problem_not_the_arbiters(job,
+                                                                                  tmp_path):
+    # Regression (review of finding 8): hashing it raised struct.error, which the arbiter took
+    # for its own failure, so a losing trainer could stop every verdict.
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("swap-checkpoint:4")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    verdict = settle(dispute, trainer=_UnencodableState("trainer", dispute.trainer)).verdict
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "wrong-state", 4)
+
+
 class _Broken(StoreParty):
     def leaf(self, step, timeout_s):
         raise RuntimeError("a bug on the arbiter's side")

@@ -13,6 +13,7 @@ import pytest
 from arbiter.cli import main
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
+from protocol.commit.keys import KeyPair
 from protocol.dispute.verdict import verify_verdict
 from protocol.job.faults import parse_fault
 from trainer_node.faults import TrainerFaults
@@ -175,3 +176,25 @@ def test_verify_of_a_missing_or_garbage_file(tmp_path, capsys):
     (tmp_path / "garbage").write_bytes(b"\x00" * 10)
     assert main(["verify", str(tmp_path / "garbage")]) == 1
     assert "INVALID" in capsys.readouterr().err
+
+
+def test_finding_9_verify_names_the_signing_key_and_whether_it_was_checked(
+        dispute, serve, tmp_path, capsys):
+    """Issue 10, finding 9: without --arbiter-key, `verify` said VALID of a verdict signed by
+    any key, without saying whose: it must print the key and that it was not checked."""
+    root, _ = dispute
+    key_file, out = tmp_path / "arbiter.key", tmp_path / "verdict.ovtv"
+    key = KeyPair.generate()
+    key.save(key_file)
+    assert _adjudicate(dispute, serve(root / "trainer"), serve(root / "auditor"), out,
+                       "--key", str(key_file)) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"signed by arbiter key {key.public_key.hex()}, NOT checked" in text
+    assert main(["verify", str(out), "--arbiter-key", key.public_key.hex()]) == 0
+    assert f"signed by the expected arbiter key {key.public_key.hex()}" in \
+        capsys.readouterr().out
+    assert main(["verify", str(out), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["arbiter_key"] == key.public_key.hex() and shown["arbiter_key_checked"] is False

@@ -60,7 +60,7 @@ def test_a_lying_trainer_is_caught_at_the_falsified_step(caught, trained):
 def test_the_challenge_decodes_and_both_proofs_verify(caught, trained):
     record, _ = caught
     challenge = Challenge.from_bytes(record.challenge.read_bytes())
-    challenge.verify()
+    challenge.verify(trained.spec)
     assert challenge.step == FALSIFIED_STEP and challenge.job_id == trained.spec.job_id
     assert challenge.trainer_commitment == record.trainer_commitment
     assert challenge.auditor_commitment == record.auditor_commitment
@@ -103,11 +103,11 @@ CORRUPTED_CHALLENGES = {
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTED_CHALLENGES.values(), ids=CORRUPTED_CHALLENGES)
-def test_corrupted_challenges_do_not_verify(caught, corrupt):
+def test_corrupted_challenges_do_not_verify(caught, trained, corrupt):
     record, _ = caught
     challenge = corrupt(Challenge.from_bytes(record.challenge.read_bytes()))
     with pytest.raises(OvtError):
-        Challenge.from_bytes(challenge.to_bytes()).verify()
+        Challenge.from_bytes(challenge.to_bytes()).verify(trained.spec)
 
 
 @pytest.mark.parametrize("mangle", [lambda b: b + b"\x00", lambda b: b[:-1],
@@ -154,7 +154,7 @@ def test_a_log_that_does_not_match_its_leaf_is_challenged_without_an_auditor_lea
     assert record.state == DIVERGED and record.divergent_step == 6
     assert "does not match its own leaf" in record.reason
     challenge = Challenge.from_bytes(record.challenge.read_bytes())
-    challenge.verify()
+    challenge.verify(trained.spec)
     assert challenge.auditor_leaf is None and challenge.auditor_commitment.commitment.n == 5
 
 

@@ -30,7 +30,7 @@ def _assert_false_challenge(trained, record, root, k=K):
     assert record.reason == "state hash differs from the trainer's"
     assert record.challenge == root / trained.spec.job_id.hex() / CHALLENGE_FILE
     challenge = Challenge.from_bytes(record.challenge.read_bytes())
-    challenge.verify()
+    challenge.verify(trained.spec)
     honest = JobStore(trained.root, trained.spec)
     assert challenge.step == k
     assert challenge.trainer_leaf.state_hash == honest.leaf(k).state_hash

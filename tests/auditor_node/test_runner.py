@@ -10,10 +10,12 @@ import pytest
 
 from auditor_node.audit import AuditRecord
 from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
+from auditor_node.server import AuditorNode
 from auditor_node.service import report
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import PeerError
+from protocol.job.store import SPEC_FILE
 
 JOB = bytes(range(32))
 OTHER = bytes(32)
@@ -21,14 +23,17 @@ TIMEOUT_S = 10.0
 
 
 class Script:
-    """A stand-in for run_audit: reports `steps` steps, then does what `outcome` says."""
+    """A stand-in for run_audit: reports `steps` steps, then does what `outcome` says; with
+    `store`, it first makes the job's store (as run_audit does once it has verified the spec)."""
 
-    def __init__(self, outcome="matched", steps=3, delay_s=0.0):
-        self.outcome, self.steps, self.delay_s = outcome, steps, delay_s
+    def __init__(self, outcome="matched", steps=3, delay_s=0.0, store=False):
+        self.outcome, self.steps, self.delay_s, self.store = outcome, steps, delay_s, store
         self.calls: list[tuple[str, bytes]] = []
 
     def __call__(self, trainer, job_id, store_root, key, profile, *, progress, **_):
         self.calls.append((trainer, job_id))
+        if self.store:
+            (store_root / job_id.hex() / SPEC_FILE).write_bytes(b"the job's spec")
         for t in range(1, self.steps + 1):
             time.sleep(self.delay_s)
             progress(t, self.steps)
@@ -162,3 +167,49 @@ def test_a_diverged_status_reports_its_step_and_reason():
     assert (message.state, message.step, message.steps, message.divergent_step) == \
         ("diverged", 12, 20, 12)
     assert message.reason == record.reason and message.commitment == b"" and not message.error
+
+
+def test_finding_9_failed_audits_of_jobs_never_fetched_leave_no_directory(running, tmp_path):
+    """Issue 10, finding 9: 300 Audit requests for random job ids left 300 directories. An
+    audit that fails before the job's store exists leaves none; its failure is still known."""
+    runner = running(Script("peer-error"))
+    job_ids = [bytes([i]) * 32 for i in range(1, 9)]
+    for job_id in job_ids:
+        runner.submit(job_id, "127.0.0.1:7000")
+    for job_id in job_ids:
+        status = wait_finished(runner, job_id)
+        assert status.state == "failed" and "UNAVAILABLE" in status.record.error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_audit_of_a_stored_job_keeps_its_record(tmp_path):
+    runner = runner_for(tmp_path, Script("peer-error", store=True))
+    runner.start()
+    try:
+        runner.submit(JOB, "127.0.0.1:7000")
+        assert wait_finished(runner, JOB).state == "failed"
+    finally:
+        runner.stop(timeout=TIMEOUT_S)
+    assert (tmp_path / JOB.hex() / RECORD_FILE).exists()
+    again = runner_for(tmp_path, Script())
+    again.start()
+    try:
+        assert again.get(JOB).state == "failed"  # known across the restart
+    finally:
+        again.stop(timeout=TIMEOUT_S)
+
+
+def test_finding_9_the_auditor_removes_stale_temp_files_on_start(tmp_path):
+    """Issue 10, finding 9: a kill can leave an atomic write's temporary file; the daemon
+    removes them when it starts."""
+    job_dir = tmp_path / JOB.hex()
+    job_dir.mkdir()
+    stale = job_dir / ".audit.ovt.abcdefgh.tmp"
+    stale.write_bytes(b"half a record")
+    kept = job_dir / "audit-request.ovt.tmp"  # not a temporary file's name
+    kept.write_bytes(b"x")
+    node = AuditorNode(tmp_path, KeyPair.generate(), Profile.parse("emulated-gpu"),
+                       listen="127.0.0.1:0")
+    node.start()
+    node.stop(grace_s=0)
+    assert not stale.exists() and kept.exists()

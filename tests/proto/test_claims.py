@@ -4,14 +4,20 @@ serving; a lying server's leaves do not verify."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import shutil
+import struct
 from concurrent import futures
 
 import grpc
 import pytest
 
+from auditor_node.cli import main as auditor_main
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory, join_chunks
-from protocol.codec.state import decode_state
+from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory, chunks, join_chunks
+from protocol.codec.state import decode_state, load_safetensors, state_digest
 from protocol.commit.data import ProvenExample, verify_examples
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
@@ -71,13 +77,15 @@ def test_checkpoint_stream_reassembles(served):
     ("GetLeaf", "step:99", grpc.StatusCode.OUT_OF_RANGE),
     ("GetBatch", "step:0", grpc.StatusCode.OUT_OF_RANGE),
     ("GetCommitment", "n:5", grpc.StatusCode.FAILED_PRECONDITION),
+    ("GetCommitment", f"n:{2**63}", grpc.StatusCode.OUT_OF_RANGE),  # SQLite's int64 overflows
+    ("GetCommitment", f"n:{2**64 - 1}", grpc.StatusCode.OUT_OF_RANGE),
 ])
 def test_bad_requests_get_status_codes_and_the_server_keeps_serving(served, call, request_,
                                                                     code):
     spec, _, _, channel = served
     stub = ovt_pb2_grpc.ClaimsStub(channel)
-    if request_ == "n:5":
-        request_ = ovt_pb2.CommitmentRequest(job_id=spec.job_id, n=5)
+    if call == "GetCommitment":
+        request_ = ovt_pb2.CommitmentRequest(job_id=spec.job_id, n=int(request_.split(":")[1]))
     elif isinstance(request_, str):
         request_ = ovt_pb2.StepRef(job_id=spec.job_id, step=int(request_.split(":")[1]))
     with pytest.raises(grpc.RpcError) as err:
@@ -125,3 +133,84 @@ def test_join_chunks_never_holds_more_than_was_announced():
 
     with pytest.raises(PeerError, match="more than the 1 bytes it announced"):
         join_chunks(endless(), max_bytes=1 << 20)
+
+
+@contextlib.contextmanager
+def _serving(servicer):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    ovt_pb2_grpc.add_ClaimsServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield f"127.0.0.1:{port}", channel
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_program_that_does_not_load_is_a_status_not_unknown(served, tmp_path):
+    """Finding 7 (issue 10): GetCheckpoint (regenerating a missing S_t) and GetBatch load the
+    job's program; a program that does not load (here: its source hash differs) is the
+    program's error, FAILED_PRECONDITION, through `proto.serving.rpc_errors`."""
+    spec, store, _, _ = served
+    other = dataclasses.replace(spec, program_source_hash=bytes(32))
+    moved = JobStore(tmp_path, other)
+    moved.put_initial(store.checkpoint(0))
+    (moved.dir / "checkpoints" / f"{0:09d}.safetensors").write_bytes(b"damaged")
+    with _serving(ClaimsServicer(StoreDirectory(tmp_path))) as (_, channel):
+        stub = ovt_pb2_grpc.ClaimsStub(channel)
+        ref = ovt_pb2.StepRef(job_id=other.job_id, step=0)
+        for call in (lambda: list(stub.GetCheckpoint(ref, timeout=30)),
+                     lambda: stub.GetBatch(ovt_pb2.StepRef(job_id=other.job_id, step=1),
+                                           timeout=30)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "differs from the one this job committed to" in err.value.details()
+
+
+def test_get_checkpoint_regenerates_around_a_damaged_checkpoint_header(served, tmp_path):
+    """Finding 7 (issue 10): one changed header byte in a stored checkpoint made GetCheckpoint
+    UNKNOWN; it is treated as missing and S_10 regenerated from S_5."""
+    spec, store, _, _ = served
+    shutil.copytree(store.dir, tmp_path / store.dir.name)
+    path = tmp_path / store.dir.name / "checkpoints" / f"{10:09d}.safetensors"
+    path.write_bytes(path.read_bytes().replace(b'"dtype":"I64"', b'"dtype":"U64"', 1))
+    with _serving(ClaimsServicer(StoreDirectory(tmp_path))) as (_, channel):
+        payload = join_chunks(ovt_pb2_grpc.ClaimsStub(channel).GetCheckpoint(
+            ovt_pb2.StepRef(job_id=spec.job_id, step=10), timeout=60), 1 << 30)
+    assert state_digest(load_safetensors(payload)) == store.leaf(10).state_hash
+
+
+def _hostile_s0(dtype: str = "U64") -> bytes:
+    """A safetensors S_0 with a tensor of a dtype that is no state dtype."""
+    header = json.dumps({"step": {"dtype": dtype, "shape": [], "data_offsets": [0, 8]}})
+    return struct.pack("<Q", len(header)) + header.encode() + bytes(8)
+
+
+class _HostileS0(ClaimsServicer):
+    def GetCheckpoint(self, request, context):
+        yield from chunks(_hostile_s0())
+
+
+def test_a_hostile_s0_is_a_peer_error(served):
+    """Finding 7 (issue 10): safetensors loaded a U64 tensor, and hashing it raised TypeError."""
+    spec, store, _, _ = served
+    with _serving(_HostileS0(StoreDirectory(store.dir.parent))) as (_, channel):
+        with pytest.raises(PeerError, match="dtype 'U64'"):
+            RemoteClaims(channel, spec).initial_state()
+
+
+def test_ovt_auditor_audit_against_a_hostile_s0_exits_2_with_one_line(served, tmp_path,
+                                                                     capsys):
+    """Finding 7 (issue 10): it exited 1, the code for "diverged", with a traceback."""
+    spec, store, _, _ = served
+    key = tmp_path / "auditor.key"
+    KeyPair.generate().save(key)
+    with _serving(_HostileS0(StoreDirectory(store.dir.parent))) as (address, _):
+        code = auditor_main(["audit", "--trainer", address, "--job", spec.job_id.hex(),
+                             "--store", str(tmp_path / "store"), "--key", str(key)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "error:" in err and "dtype 'U64'" in err
+    assert "Traceback" not in err

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from protocol.files import atomic_write
+from protocol.files import atomic_write, remove_stale_temp_files, temporary_file
 
 
 def _leftovers(directory) -> list[str]:
@@ -50,3 +50,32 @@ def test_a_failed_write_leaves_the_old_content_and_no_temp_file(tmp_path, monkey
         atomic_write(path, b"new")
     assert path.read_bytes() == b"old"
     assert _leftovers(tmp_path) == []
+
+
+def test_a_temporary_file_is_removed_however_its_block_ends(tmp_path):
+    with temporary_file(tmp_path, "s0") as (out, path):
+        out.write(b"data")
+        assert path.parent == tmp_path and path.name.startswith(".s0.")
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(RuntimeError), temporary_file(tmp_path, "s0") as (out, path):
+        raise RuntimeError("the peer went away")
+    assert _leftovers(tmp_path) == []
+
+
+def test_finding_9_stale_temp_files_are_removed_at_any_depth(tmp_path):
+    """Issue 10, finding 9: a kill between a temporary file's creation and its move leaves it
+    behind; a daemon removes those when it starts. Only temporary files go, and nothing outside
+    the root (symbolic links are not followed)."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    (root / "job" / "logs").mkdir(parents=True)
+    outside.mkdir()
+    stale = [root / ".submitted-s0.k2j4h1xq.tmp", root / "job" / ".spec.ovtjob.abcdefgh.tmp",
+             root / "job" / "logs" / ".000000007.ovtl.z.0a1b2c3d.tmp"]
+    kept = [root / "job" / "spec.ovtjob", root / "job" / "logs" / "000000007.ovtl.z",
+            outside / ".elsewhere.abcdefgh.tmp"]
+    for path in stale + kept:
+        path.write_bytes(b"x")
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    assert remove_stale_temp_files(root) == len(stale)
+    assert [p for p in stale if p.exists()] == [] and all(p.exists() for p in kept)
+    assert remove_stale_temp_files(root) == 0

@@ -1,5 +1,6 @@
-"""Bad input against a live `ovt-trainer serve` (started with --max-message-mb 1): each request
-gets the right status code with a one-line message, and the server keeps serving."""
+"""Bad input against a live `ovt-trainer serve` (started with --max-message-mb 1 and
+--max-params MAX_PARAMS): each request gets the right status code with a one-line message, and
+the server keeps serving."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from .daemon import STEPS, Trainers, channel_to, make_job, submit, watch_until
 pytestmark = pytest.mark.network
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 PRECONDITION, OUT_OF_RANGE = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+MAX_PARAMS = 1000  # the tiny job's CNN has 814 parameters; with 8 channels it has 2770
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,8 @@ def live(tmp_path_factory, tiny_job):
     """A daemon that has trained the tiny job, and a channel to it."""
     trainers = Trainers(tmp_path_factory.mktemp("bad-input"))
     try:
-        daemon = trainers.start(trainers.tmp_path / "store", "--max-message-mb", "1")
+        daemon = trainers.start(trainers.tmp_path / "store", "--max-message-mb", "1",
+                                "--max-params", str(MAX_PARAMS))
         with channel_to(daemon) as channel:
             submit(channel, tiny_job.spec.to_bytes(), tiny_job.state0_bytes)
             assert watch_until(channel, tiny_job.job_id,
@@ -54,7 +58,9 @@ def _submit_cases(spec, state0: bytes):
         "config the program rejects": (dataclasses.replace(
             spec, config={**spec.config, "no_such_field": 1}).to_bytes(), state0,
             PRECONDITION),
-        "oversized message": (good, b"\0" * (2 << 20), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        "model over --max-params": (dataclasses.replace(
+            spec, config={**spec.config, "channels": 8}).to_bytes(), state0, EXHAUSTED),
+        "oversized message": (good, b"\0" * (2 << 20), EXHAUSTED),
     }
 
 

@@ -237,12 +237,28 @@ class CharTransformer(nn.Module):
 
 # --- the program -------------------------------------------------------------------------------
 
+def parse_config(config: Mapping[str, Any] | None) -> CharTransformerConfig:
+    """`config` checked and completed with the defaults. Raises ConfigError for an unknown key
+    or a bad value."""
+    return config_from_mapping(CharTransformerConfig, config, NAME)
+
+
+def parameter_count(config: Mapping[str, Any] | None) -> int:
+    """How many parameters `build(config)` makes, from the config alone (nothing is built), so
+    a node can refuse a model too large for it first. Raises ConfigError as `parse_config`."""
+    cfg = parse_config(config)
+    d, vocab = cfg.d_model, len(VOCAB)
+    # per block: 2 LayerNorms (4d), qkv (3d² + 3d), proj (d² + d), fc (4d² + 4d), out (4d² + d)
+    block = 12 * d * d + 13 * d
+    return vocab * d + cfg.seq_len * d + cfg.n_layers * block + 2 * d + d * vocab + vocab
+
+
 def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
     """The "char-transformer" program for `config` (missing keys take the defaults).
 
     Raises ConfigError for an unknown key or a bad value.
     """
-    cfg = config_from_mapping(CharTransformerConfig, config, NAME)
+    cfg = parse_config(config)
     return TrainingProgram(
         name=NAME,
         model=CharTransformer(len(VOCAB), cfg),

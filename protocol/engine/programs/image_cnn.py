@@ -147,17 +147,33 @@ def generate_stripes(config: ImageCNNConfig) -> tuple[torch.Tensor, torch.Tensor
     return sign * colour + noise, labels
 
 
-def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
-    """The "image-cnn" program for `config` (missing keys take the defaults).
-
-    Without an explicit lr, lr is the default of the chosen optimizer (sgd 0.05, adam 1e-3).
-    Raises ConfigError for an unknown key or a bad value.
-    """
+def parse_config(config: Mapping[str, Any] | None) -> ImageCNNConfig:
+    """`config` checked and completed with the defaults; without an explicit lr, lr is the
+    default of the chosen optimizer (sgd 0.05, adam 1e-3). Raises ConfigError for an unknown key
+    or a bad value."""
     mapping = {} if config is None else config
     optimizer = mapping.get("optimizer") if isinstance(mapping, Mapping) else None
     if isinstance(optimizer, str) and optimizer in DEFAULT_LR and "lr" not in mapping:
         mapping = {**mapping, "lr": DEFAULT_LR[optimizer]}
-    cfg = config_from_mapping(ImageCNNConfig, mapping, NAME)
+    return config_from_mapping(ImageCNNConfig, mapping, NAME)
+
+
+def parameter_count(config: Mapping[str, Any] | None) -> int:
+    """How many parameters `build(config)` makes, from the config alone (nothing is built), so
+    a node can refuse a model too large for it first. Raises ConfigError as `parse_config`."""
+    cfg = parse_config(config)
+    c, classes = cfg.channels, cfg.classes
+    convs = 3 * c * 9 + 2 * c * c * 9 + c * 2 * c * 9  # stem, the block's two, down (3x3)
+    batch_norms = 2 * (c + c + c + 2 * c)  # weight and bias of stem_bn, bn1, bn2, down_bn
+    return convs + batch_norms + 2 * c * classes + classes
+
+
+def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
+    """The "image-cnn" program for `config` (missing keys take the defaults).
+
+    Raises ConfigError for an unknown key or a bad value (see `parse_config`).
+    """
+    cfg = parse_config(config)
     return TrainingProgram(
         name=NAME,
         model=ImageCNN(cfg.channels, cfg.classes),

@@ -18,7 +18,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,6 +34,10 @@ BUILTIN: dict[str, ProgramFactory] = {
 _BUILTIN_MODULES: dict[str, ModuleType] = {
     image_cnn.NAME: image_cnn,
     char_transformer.NAME: char_transformer,
+}
+_PARAMETER_COUNTS: dict[str, Callable[[Mapping[str, Any] | None], int]] = {
+    image_cnn.NAME: image_cnn.parameter_count,
+    char_transformer.NAME: char_transformer.parameter_count,
 }
 
 
@@ -68,6 +72,15 @@ def require_allowed(ref: str, allowed: Collection[str], node: str) -> None:
         raise ConfigError(f"program {ref!r} is not allowed on this {node} (built-ins: "
                           f"{', '.join(sorted(BUILTIN))}; the operator allows others with "
                           f"--allow-program)")
+
+
+def parameter_count(ref: str, config: Mapping[str, Any] | None) -> int | None:
+    """How many parameters the built-in `ref` makes under `config`, from the config alone:
+    nothing is built or allocated, so a node can bound the model a peer's spec asks for before
+    it builds it. None for a program that is not built-in (only building it tells). Raises
+    ConfigError for a config the built-in rejects."""
+    count = _PARAMETER_COUNTS.get(ref)
+    return None if count is None else count(config)
 
 
 def program_source(ref: str) -> bytes:

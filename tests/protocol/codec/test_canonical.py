@@ -290,3 +290,26 @@ def test_mutated_encodings_are_canonical_or_rejected(value, data):
     except EncodingError:
         return
     assert encode(decoded) == bytes(raw)
+
+
+# ---- decode_object: the one strictness rule for objects (issue 10, finding 3) ----------------
+
+def _version_of(body: object) -> int:
+    """A lax builder, as an object's own field checks might be: `True` and `1.0` pass as 1."""
+    if not isinstance(body, dict) or body.get("v") != 1:
+        raise EncodingError("not a versioned map")
+    return 1
+
+
+@pytest.mark.parametrize("alias", [True, 1.0])
+def test_decode_object_refuses_a_value_that_only_equals_the_objects_own(alias):
+    data = encode({"v": alias})
+    assert _version_of(decode(data)) == 1  # the lax builder alone accepts it
+    with pytest.raises(EncodingError, match="does not re-encode to its own bytes"):
+        encoding.decode_object(data, _version_of, lambda v: encode({"v": v}), what="thing")
+
+
+def test_decode_object_returns_the_object_of_its_own_bytes():
+    data = encode({"v": 1})
+    assert encoding.decode_object(data, _version_of, lambda v: encode({"v": v}),
+                                  what="thing") == 1

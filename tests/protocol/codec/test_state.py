@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec.state import MAGIC, decode_state, encode_state, state_digest, states_equal
+from protocol.codec.dtypes import DTYPES, SAFETENSORS_DTYPES
+from protocol.codec.state import (
+    MAGIC,
+    decode_state,
+    encode_state,
+    load_safetensors,
+    state_digest,
+    states_equal,
+)
 from protocol.errors import StateFormatError
 
 
@@ -262,3 +272,72 @@ def test_states_equal_checks_names_dtypes_shapes():
 def test_unsupported_dtype_is_refused_by_the_encoder():
     with pytest.raises(TypeError, match="complex64"):
         encode_state({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+# -- finding 7 (issue 10): decoders of peer bytes raise only StateFormatError -----------------
+
+
+@pytest.mark.parametrize("shape", [(0, 2**64 - 1), (2**62, 2**62, 0), (0, 2**63),
+                                   (2**40, 2**30, 0)])
+def test_decode_state_shape_torch_cannot_hold_is_a_state_format_error(shape):
+    """A zero-size tensor whose dimensions overflow torch's int64 count (torch answers these
+    with TypeError or RuntimeError) is refused before torch sees the shape."""
+    with pytest.raises(StateFormatError, match="beyond what torch holds"):
+        decode_state(_encoding(_entry("a", "float32", shape, b"")))
+
+
+def test_zero_size_shapes_torch_can_hold_still_decode():
+    for shape in ((0, 2**63 - 1), (2**31, 2**31, 0)):
+        data = _encoding(_entry("a", "float32", shape, b""))
+        assert decode_state(data)["a"].shape == shape
+        assert encode_state(decode_state(data)) == data
+
+
+@pytest.mark.parametrize("byte", [2, 0x80, 0xFF])
+def test_decode_state_bool_byte_other_than_0_or_1_is_refused(byte):
+    """Finding 3 at the state's depth: a bool byte 2 would be another byte string (another
+    h_t) for a tensor that torch reads as True."""
+    with pytest.raises(StateFormatError, match="bool byte"):
+        decode_state(_encoding(_entry("b", "bool", (2,), bytes([1, byte]))))
+
+
+def _safetensors(dtype: str, shape: list[int], raw: bytes) -> bytes:
+    header = json.dumps({"t": {"dtype": dtype, "shape": shape,
+                               "data_offsets": [0, len(raw)]}}).encode()
+    return struct.pack("<Q", len(header)) + header + raw
+
+
+def test_load_safetensors_round_trips_every_state_dtype():
+    state = sample_state()
+    assert states_equal(load_safetensors(safetensors.torch.save(state)), state)
+
+
+def test_safetensors_dtypes_are_the_state_dtypes():
+    assert sorted(map(str, SAFETENSORS_DTYPES.values())) == sorted(map(str, DTYPES.values()))
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("U16", 2), ("U32", 4), ("U64", 8), ("C64", 8),
+                                             ("F8_E4M3", 1), ("F8_E5M2", 1), ("F8_E8M0", 1)])
+def test_peer_safetensors_of_another_dtype_is_a_state_format_error(dtype, itemsize):
+    """safetensors.torch.load gives these to torch (a uint16 tensor state_digest refuses with a
+    TypeError; F8_E8M0 a KeyError inside safetensors): refused here, naming the dtype."""
+    with pytest.raises(StateFormatError, match=f"dtype '{dtype}'"):
+        load_safetensors(_safetensors(dtype, [1], b"\x01" * itemsize))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**64 - 1], [0, 2**63]])
+def test_peer_safetensors_shape_torch_cannot_hold_is_a_state_format_error(shape):
+    with pytest.raises(StateFormatError, match="beyond what torch holds"):
+        load_safetensors(_safetensors("F32", shape, b""))
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00" * 8, b"\xff" * 16, _safetensors("F32", [2], b"x")],
+                         ids=["empty", "zero-header", "huge-header", "short-data"])
+def test_malformed_safetensors_is_a_state_format_error(data):
+    with pytest.raises(StateFormatError, match="not a safetensors state"):
+        load_safetensors(data)
+
+
+def test_peer_safetensors_bool_byte_other_than_0_or_1_is_refused():
+    with pytest.raises(StateFormatError, match="bool byte"):
+        load_safetensors(_safetensors("BOOL", [1], b"\x02"))

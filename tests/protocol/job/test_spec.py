@@ -65,6 +65,28 @@ def test_bad_specs_are_rejected(job_file, mutate):
         JobSpec.from_bytes(encode(mutate(spec.to_body())))
 
 
+@pytest.mark.parametrize("alias", [True, 1.0])
+def test_aliased_protocol_version_is_refused(job_file, alias):
+    """Finding 3 (issue 10): these bytes hash to another job id X, yet decoded to the real job
+    Y (whose to_bytes and job_id are Y's), so an auditor asked to audit X replayed into Y's
+    store."""
+    spec, _ = create_job(job_file)
+    aliased = encode({**spec.to_body(), "protocol_version": alias})
+    assert aliased != spec.to_bytes() and decode(aliased) == spec.to_body()  # equal, not same
+    with pytest.raises(EncodingError):
+        JobSpec.from_bytes(aliased)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda b: {**b, "data": {**b["data"], "extra": 1}},
+    lambda b: {**b, "precision": {**b["precision"], "extra": 1}},
+])
+def test_unknown_nested_fields_are_refused(job_file, mutate):
+    spec, _ = create_job(job_file)
+    with pytest.raises(EncodingError, match="does not re-encode to its own bytes"):
+        JobSpec.from_bytes(encode(mutate(spec.to_body())))
+
+
 def test_random_bytes_are_rejected_as_encoding_errors(job_file):
     spec, _ = create_job(job_file)
     data = spec.to_bytes()

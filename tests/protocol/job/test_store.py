@@ -9,11 +9,12 @@ refused; an interrupted run resumes to the same root; an auditor on another prof
 from __future__ import annotations
 
 import shutil
+import struct
 
 import pytest
 import torch
 
-from protocol.codec.state import states_equal
+from protocol.codec.state import state_digest, states_equal
 from protocol.commit.commitments import Commitment, sign_commitment
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
@@ -84,6 +85,59 @@ def test_deleted_and_corrupted_checkpoints_are_regenerated_around(trained, tmp_p
     path.write_bytes(bytes(data))
     assert store.checkpoint(50) is None  # detected
     assert states_equal(store.state_at(WATCHED, _fresh_executor(spec)), seen)  # from S_0
+
+
+def _damage_header(path, old=b'"dtype":"I64"', new=b'"dtype":"U64"'):
+    """One changed header byte: a dtype safetensors loads and the state hash refuses."""
+    data = path.read_bytes()
+    assert old in data
+    path.write_bytes(data.replace(old, new, 1))
+
+
+def test_damaged_checkpoint_header_is_regenerated_around(trained, tmp_path):
+    """Finding 7 (issue 10): one changed byte in a checkpoint's header made `checkpoint` raise
+    (a TypeError), so GetCheckpoint answered UNKNOWN although S_50 was intact: an unparsable
+    checkpoint is missing, like a damaged body."""
+    spec, _, root, _, _, _, seen = trained
+    shutil.copytree(root, tmp_path / "copy")
+    store = JobStore(tmp_path / "copy", spec)
+    _damage_header(store.dir / "checkpoints" / f"{100:09d}.safetensors")
+    assert store.checkpoint(100) is None
+    assert states_equal(store.state_at(WATCHED, _fresh_executor(spec)), seen)  # from S_50
+
+
+def test_every_changed_header_byte_is_missing_or_the_same_state(trained, tmp_path):
+    spec, _, root, _, _, _, _ = trained
+    shutil.copytree(root, tmp_path / "copy")
+    store = JobStore(tmp_path / "copy", spec)
+    path = store.dir / "checkpoints" / f"{50:09d}.safetensors"
+    data = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", data[:8])
+    for pos in range(8 + header_size):
+        for value in b"U0":
+            damaged = bytearray(data)
+            damaged[pos] = value
+            path.write_bytes(bytes(damaged))
+            state = store.checkpoint(50)
+            assert state is None or state_digest(state) == store.leaf(50).state_hash
+
+
+def test_a_resumed_run_regenerates_around_a_damaged_checkpoint_header(trained, tmp_path):
+    """Finding 7 (issue 10): a job resuming after a crash must not fail for good on a damaged
+    checkpoint header while an earlier checkpoint (here S_0) is intact."""
+    spec, state0, _, _, key, signed, _ = trained
+    store = JobStore(tmp_path, spec)
+    store.put_initial(state0)
+
+    def crash_at_73(t, n):
+        if t == 73:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(store, key, profile=PROFILE, progress=crash_at_73)
+    _damage_header(store.dir / "checkpoints" / f"{50:09d}.safetensors")
+    resumed = run_job(store, key, profile=PROFILE)
+    assert resumed.commitment.root == signed.commitment.root
 
 
 def test_corrupted_log_is_refused(trained, tmp_path):

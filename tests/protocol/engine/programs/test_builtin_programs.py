@@ -151,3 +151,31 @@ def test_non_mapping_config_is_a_config_error(name):
 def test_int_lr_is_normalised_to_float(name):
     assert _build(name, lr=1).config["lr"] == 1.0
     assert isinstance(_build(name, lr=1).config["lr"], float)
+
+
+SIZES = {"image-cnn": [{}, {"channels": 7, "classes": 3}, {"channels": 48, "classes": 32}],
+         "char-transformer": [{}, {"d_model": 48, "n_heads": 3, "n_layers": 3, "seq_len": 17},
+                              {"d_model": 96, "n_heads": 8, "n_layers": 1, "seq_len": 64}]}
+
+
+def test_parameter_count_from_the_config_is_the_built_models(name):
+    """Issue 10, finding 6: a node bounds the model a spec asks for from its config alone, so
+    the count must be exactly what building it would make."""
+    for config in SIZES[name]:
+        model = MODULES[name].build(config).model
+        assert MODULES[name].parameter_count(config) == sum(p.numel() for p in
+                                                            model.parameters())
+
+
+def test_parameter_count_of_the_largest_config_is_counted_not_built(name):
+    """The largest configs the validators admit: the transformer's is the issue's ~192 GiB of
+    float32 parameters (far beyond the trainer's default 2**28), the CNN's 38 M parameters."""
+    largest, gib = {"image-cnn": ({"channels": 1024, "classes": 32}, 0.14),
+                    "char-transformer": ({"d_model": 8192, "n_heads": 8, "n_layers": 64,
+                                          "seq_len": 4096, "corpus_chars": 10**8}, 192)}[name]
+    assert MODULES[name].parameter_count(largest) * 4 / 2**30 == pytest.approx(gib, rel=0.02)
+
+
+def test_parameter_count_checks_the_config(name):
+    with pytest.raises(ConfigError, match="unknown config key"):
+        MODULES[name].parameter_count({"no_such_key": 1})

@@ -125,3 +125,10 @@ def test_program_source_of_module_and_file_refs(program_file):
 def test_program_source_failures(ref):
     with pytest.raises(ProgramError):
         registry.program_source(ref)
+
+
+def test_parameter_count_is_known_for_built_ins_only():
+    assert registry.parameter_count("image-cnn", {}) == image_cnn.parameter_count({})
+    assert registry.parameter_count("char-transformer", {"d_model": 32}) == \
+        char_transformer.parameter_count({"d_model": 32})
+    assert registry.parameter_count(f"{USER}:build", {}) is None  # only building it tells
