@@ -49,7 +49,6 @@ from proto.health import HealthServicer
 from protocol.commit.hashing import HASH_SIZE
 from protocol.errors import (
     ConfigError,
-    EncodingError,
     NotFoundError,
     OutOfRangeError,
     OvtError,
@@ -57,7 +56,6 @@ from protocol.errors import (
     RefusedError,
     RequestError,
     ResourceLimitError,
-    StateFormatError,
     StoreError,
     UnavailableError,
 )
@@ -408,10 +406,11 @@ def _is_ip(host: str) -> bool:
 # --- the one table from ovt's errors to gRPC status codes (SPEC §6: a peer's bad request is
 # answered with a status that says what was wrong, never UNKNOWN) ---------------------------
 
+# A servicer wraps what it decodes from a request in RequestError; any other OvtError reaching
+# the edge is this party's own failure (a damaged store, a program that no longer loads): the
+# peer is told so, and the operator gets a log line.
 STATUS_OF: dict[type[OvtError], grpc.StatusCode] = {
     RequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    EncodingError: grpc.StatusCode.INVALID_ARGUMENT,
-    StateFormatError: grpc.StatusCode.INVALID_ARGUMENT,
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
@@ -420,8 +419,9 @@ STATUS_OF: dict[type[OvtError], grpc.StatusCode] = {
     ResourceLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     StoreError: grpc.StatusCode.DATA_LOSS,
-    OvtError: grpc.StatusCode.INVALID_ARGUMENT,  # any other error a request caused
+    OvtError: grpc.StatusCode.INTERNAL,
 }
+_OWN_FAILURES = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL)
 
 _log = logging.getLogger("ovt.rpc")
 
@@ -473,6 +473,9 @@ def _abort(err: Exception, context: grpc.ServicerContext, rpc: str) -> None:
     if context.code() is not None:  # context.abort ran: its status stands
         raise err
     if isinstance(err, OvtError):
-        context.abort(status_of(err), str(err).splitlines()[0][:1000] if str(err) else rpc)
+        status, line = status_of(err), str(err).splitlines()[0][:1000] if str(err) else rpc
+        if status in _OWN_FAILURES:
+            _log.error("%s: %s", rpc, line)
+        context.abort(status, line)
     _log.error("%s: internal error", rpc, exc_info=err)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc} ({type(err).__name__})")

@@ -50,7 +50,7 @@ def _servicer(raise_in_unary: BaseException | None, raise_in_stream: BaseExcepti
 
 @pytest.mark.parametrize(("error", "code"), [
     (errors.RequestError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.EncodingError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.EncodingError("bad"), grpc.StatusCode.INTERNAL),  # not wrapped: our own data
     (errors.NotFoundError("no job"), grpc.StatusCode.NOT_FOUND),
     (errors.OutOfRangeError("step"), grpc.StatusCode.OUT_OF_RANGE),
     (errors.RefusedError("no"), grpc.StatusCode.FAILED_PRECONDITION),
@@ -58,7 +58,7 @@ def _servicer(raise_in_unary: BaseException | None, raise_in_stream: BaseExcepti
     (errors.ResourceLimitError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.UnavailableError("stopping"), grpc.StatusCode.UNAVAILABLE),
     (errors.StoreError("corrupt"), grpc.StatusCode.DATA_LOSS),
-    (errors.LogFormatError("garbled"), grpc.StatusCode.INVALID_ARGUMENT),  # via OvtError
+    (errors.LogFormatError("garbled"), grpc.StatusCode.INTERNAL),  # via OvtError
 ])
 def test_each_error_gets_its_status_and_its_message(error, code):
     context = FakeContext()
@@ -115,3 +115,17 @@ def test_only_rpc_methods_are_wrapped():
     with pytest.raises(RuntimeError, match="not wrapped"):
         _servicer(None, None)._helper()
     assert _servicer(None, None).Unary(None, FakeContext()) == "reply"
+
+
+def test_this_partys_own_failure_is_logged_for_the_operator(caplog):
+    context = FakeContext()
+    with caplog.at_level(logging.ERROR, logger="ovt.rpc"), pytest.raises(Aborted):
+        _servicer(errors.StoreError("checkpoint 7 is corrupt"), None).Unary(None, context)
+    assert context.code() == grpc.StatusCode.DATA_LOSS
+    assert [r.message for r in caplog.records] == ["Unary: checkpoint 7 is corrupt"]
+
+
+def test_a_peers_bad_request_is_not_logged(caplog):
+    with caplog.at_level(logging.ERROR, logger="ovt.rpc"), pytest.raises(Aborted):
+        _servicer(errors.RequestError("job_id must be 32 bytes"), None).Unary(None, FakeContext())
+    assert caplog.records == []
