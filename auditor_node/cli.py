@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-from proto.serving import add_limit_options, limits_of
+from proto.limits import add_limit_options, limits_of
 from protocol.cli.commands import run_command
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile

@@ -12,7 +12,8 @@ ever reaches the peer.
 from __future__ import annotations
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.serving import job_id_of, rpc_errors, split_address
+from proto.serving import split_address
+from proto.status import job_id_of, rpc_errors
 from protocol.errors import NotFoundError, RequestError, StoreError
 
 from .runner import AuditRunner, AuditStatus

@@ -23,7 +23,7 @@ import grpc
 import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.serving import job_id_of, rpc_errors
+from proto.status import job_id_of, rpc_errors
 from protocol.codec.fields import MAX_UINT
 from protocol.codec.state import encode_state, load_safetensors, state_digest
 from protocol.commit.commitments import SignedCommitment

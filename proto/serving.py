@@ -26,45 +26,26 @@ its certificate is its own CA, so a client passes the same cert.pem as `tls_ca`.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import datetime
-import functools
-import inspect
 import ipaddress
-import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.health import HealthServicer
-from protocol.commit.hashing import HASH_SIZE
+from proto.limits import ServerLimits, StreamSlots
 from protocol.errors import (
     ConfigError,
-    NotFoundError,
-    OutOfRangeError,
-    OvtError,
-    ProgramError,
-    RefusedError,
-    RequestError,
-    ResourceLimitError,
-    StoreError,
-    UnavailableError,
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
 AddServicer = Callable[[grpc.Server], None]
-T = TypeVar("T")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -90,190 +71,6 @@ def is_loopback(host: str) -> bool:
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)]
-
-
-# --- how many threads a server has and how many of them streams may hold (issue 10, finding 5)
-
-DEFAULT_WORKERS = 16
-DEFAULT_MAX_STREAMS = 8
-DEFAULT_STREAM_IDLE_S = 30.0
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """A server's worker threads and the share of them that streaming calls may hold.
-
-    gRPC runs every call on one of `workers` threads, and a streaming call holds its thread for
-    as long as it lasts. Every RPC with a stream on either side (Trainer.Watch and SubmitStream,
-    Auditor.WatchAudit, Claims.GetCheckpoint and GetLeaves, Health.Watch) takes one of
-    `max_streams` slots, strictly fewer than `workers`, so at least `workers - max_streams`
-    threads are always free for unary calls: GetLeaf above all, which a party must answer
-    within the arbiter's per-move deadline or lose its dispute (SPEC §5.2). A stream beyond the
-    limit is refused at once with RESOURCE_EXHAUSTED, before its servicer runs. A stream whose
-    peer keeps one message waiting longer than `stream_idle_s` (sends no next request, or reads
-    no sent response) is cancelled, which frees its slot and its thread.
-    """
-
-    workers: int = DEFAULT_WORKERS
-    max_streams: int = DEFAULT_MAX_STREAMS
-    stream_idle_s: float = DEFAULT_STREAM_IDLE_S
-
-    def __post_init__(self) -> None:
-        """Raises ConfigError unless 1 <= max_streams < workers and stream_idle_s > 0."""
-        if not 1 <= self.max_streams < self.workers:
-            raise ConfigError(f"the stream slots ({self.max_streams}) must be at least 1 and "
-                              f"fewer than the worker threads ({self.workers}), so unary calls "
-                              f"always have a thread")
-        if not self.stream_idle_s > 0:
-            raise ConfigError(f"the stream idle timeout must be positive, got "
-                              f"{self.stream_idle_s}")
-
-
-def add_limit_options(parser: argparse.ArgumentParser) -> None:
-    """The options of a daemon's `serve` that set its `ServerLimits` (read by `limits_of`)."""
-    parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
-                        help="gRPC worker threads (default: %(default)s)")
-    parser.add_argument("--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
-                        help="streaming calls (Watch, SubmitStream, WatchAudit, GetCheckpoint, "
-                             "GetLeaves, Health.Watch) served at once; one more is refused "
-                             "with RESOURCE_EXHAUSTED. Fewer than --workers, so the other "
-                             "threads always answer unary calls such as GetLeaf (default: "
-                             "%(default)s)")
-    parser.add_argument("--stream-idle-s", type=float, default=DEFAULT_STREAM_IDLE_S,
-                        help="cancel a stream whose peer sends no next message, or reads no "
-                             "sent one, for this many seconds (default: %(default)s)")
-
-
-def limits_of(args: argparse.Namespace) -> ServerLimits:
-    """The `ServerLimits` given by `add_limit_options`' options. Raises ConfigError."""
-    return ServerLimits(workers=args.workers, max_streams=args.max_streams,
-                        stream_idle_s=args.stream_idle_s)
-
-
-class StreamSlots(grpc.ServerInterceptor):
-    """Enforces one server's `ServerLimits` on its streaming calls (every service, health too).
-
-    A unary call passes untouched. A streaming call takes a slot when its thread starts it
-    (none free: RESOURCE_EXHAUSTED, `ResourceLimitError`) and gives it back when the call's
-    handler returns, fails or is closed; every wait on the peer for one message is bounded by
-    `_IdleWatch`. A request stream that breaks off (cancelled by its client or by the idle
-    watch) reaches the servicer as a `RequestError`, so it is no internal error in the log.
-    """
-
-    def __init__(self, limits: ServerLimits) -> None:
-        self.limits = limits
-        self._slots = threading.BoundedSemaphore(limits.max_streams)
-        self._idle = _IdleWatch(limits.stream_idle_s)
-
-    def intercept_service(self, continuation, handler_call_details):
-        """Runs on gRPC's polling thread, so it only wraps the handler and never waits."""
-        handler = continuation(handler_call_details)
-        if handler is None or not (handler.request_streaming or handler.response_streaming):
-            return handler
-        method = handler_call_details.method
-        codec = {"request_deserializer": handler.request_deserializer,
-                 "response_serializer": handler.response_serializer}
-        if not handler.response_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                self._unary_response(method, handler.stream_unary), **codec)
-        if not handler.request_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream_response(method, handler.unary_stream, requests=False), **codec)
-        return grpc.stream_stream_rpc_method_handler(
-            self._stream_response(method, handler.stream_stream, requests=True), **codec)
-
-    def _take(self, method: str, context: grpc.ServicerContext) -> None:
-        """Take a slot, or abort the call with RESOURCE_EXHAUSTED when none is free."""
-        if not self._slots.acquire(blocking=False):
-            _abort(ResourceLimitError(f"{self.limits.max_streams} streaming calls are already "
-                                      f"being served; try again later"), context, method)
-
-    def _unary_response(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        def limited(requests, context):
-            self._take(method, context)
-            try:
-                return behavior(self._received(method, requests, context), context)
-            finally:
-                self._slots.release()
-        return limited
-
-    def _stream_response(self, method: str, behavior: Callable[..., Any], *,
-                         requests: bool) -> Callable[..., Any]:
-        def limited(request, context):
-            self._take(method, context)
-            try:
-                if requests:
-                    request = self._received(method, request, context)
-                for response in behavior(request, context):
-                    with self._idle.waiting(method, context):  # gRPC sends it meanwhile
-                        yield response
-            finally:
-                self._slots.release()
-        return limited
-
-    def _received(self, method: str, requests: Iterator[Any],
-                  context: grpc.ServicerContext) -> Iterator[Any]:
-        """`requests`, each waited for at most `stream_idle_s`. Raises RequestError when the
-        stream breaks off before its end."""
-        while True:
-            with self._idle.waiting(method, context):
-                try:
-                    request = next(requests)
-                except StopIteration:
-                    return
-                except grpc.RpcError:  # the call was cancelled: by its client or the idle watch
-                    raise RequestError(f"the request stream of {method} broke off") from None
-            yield request
-
-
-class _IdleWatch:
-    """Cancels a call that has waited on its peer for one message longer than `idle_s`.
-
-    One thread sleeps until the earliest deadline; it starts with the first wait and ends once
-    it wakes to find no wait left (at most `idle_s` after the last one). Every wait lasts
-    `idle_s`, so the waits, kept in insertion order, are in deadline order.
-    """
-
-    def __init__(self, idle_s: float) -> None:
-        self.idle_s = idle_s
-        self._lock = threading.Condition()
-        self._waits: dict[object, tuple[float, str, grpc.ServicerContext]] = {}
-        self._running = False
-
-    @contextlib.contextmanager
-    def waiting(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
-        """The body waits on the peer (for a request, or for a response to be taken)."""
-        key = object()
-        with self._lock:
-            self._waits[key] = (time.monotonic() + self.idle_s, method, context)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="ovt-stream-idle", daemon=True).start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waits.pop(key, None)
-
-    def _run(self) -> None:
-        while (expired := self._next_expired()) is not None:
-            method, context = expired
-            _log.warning("%s: the peer sent or took nothing for %g s; call cancelled", method,
-                         self.idle_s)
-            context.cancel()
-
-    def _next_expired(self) -> tuple[str, grpc.ServicerContext] | None:
-        """The next wait past its deadline, removed; None (the thread ends) when none is left."""
-        with self._lock:
-            while self._waits:
-                key, (deadline, method, context) = next(iter(self._waits.items()))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    del self._waits[key]
-                    return method, context
-                self._lock.wait(left)
-            self._running = False
-            return None
 
 
 def build_server(listen: str, servicers: Sequence[AddServicer], *, tls_cert: Path | None,
@@ -403,79 +200,3 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-# --- the one table from ovt's errors to gRPC status codes (SPEC §6: a peer's bad request is
-# answered with a status that says what was wrong, never UNKNOWN) ---------------------------
-
-# A servicer wraps what it decodes from a request in RequestError; any other OvtError reaching
-# the edge is this party's own failure (a damaged store, a program that no longer loads): the
-# peer is told so, and the operator gets a log line.
-STATUS_OF: dict[type[OvtError], grpc.StatusCode] = {
-    RequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    OutOfRangeError: grpc.StatusCode.OUT_OF_RANGE,
-    RefusedError: grpc.StatusCode.FAILED_PRECONDITION,
-    ProgramError: grpc.StatusCode.FAILED_PRECONDITION,
-    ResourceLimitError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    StoreError: grpc.StatusCode.DATA_LOSS,
-    OvtError: grpc.StatusCode.INTERNAL,
-}
-_OWN_FAILURES = (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL)
-
-_log = logging.getLogger("ovt.rpc")
-
-
-def job_id_of(data: bytes) -> bytes:
-    """A request's job id field, checked to be a job id (RequestError otherwise)."""
-    if len(data) != HASH_SIZE:
-        raise RequestError(f"job_id must be {HASH_SIZE} bytes, got {len(data)}")
-    return data
-
-
-def status_of(err: OvtError) -> grpc.StatusCode:
-    """The status for `err`: that of its nearest class in STATUS_OF."""
-    return next(STATUS_OF[c] for c in type(err).__mro__ if c in STATUS_OF)
-
-
-def rpc_errors(servicer: type[T]) -> type[T]:
-    """Class decorator for a servicer: every RPC method (a public method whose name starts with
-    a capital, as gRPC names them) answers an `OvtError` with `status_of(err)` and its one-line
-    message, and an unexpected exception (a bug) with INTERNAL and one log line with the
-    traceback. A status the method set itself with `context.abort` passes through unchanged."""
-    for name, method in list(vars(servicer).items()):
-        if name[:1].isupper() and callable(method):
-            setattr(servicer, name, _mapped(method))
-    return servicer
-
-
-def _mapped(method: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.isgeneratorfunction(method):
-        @functools.wraps(method)
-        def stream(self, request, context):
-            try:
-                yield from method(self, request, context)
-            except Exception as err:  # noqa: BLE001 - mapped or logged, never lost
-                _abort(err, context, method.__name__)
-        return stream
-
-    @functools.wraps(method)
-    def unary(self, request, context):
-        try:
-            return method(self, request, context)
-        except Exception as err:  # noqa: BLE001 - mapped or logged, never lost
-            _abort(err, context, method.__name__)
-    return unary
-
-
-def _abort(err: Exception, context: grpc.ServicerContext, rpc: str) -> None:
-    """Abort the call for `err` (re-raise it when the method already aborted the call)."""
-    if context.code() is not None:  # context.abort ran: its status stands
-        raise err
-    if isinstance(err, OvtError):
-        status, line = status_of(err), str(err).splitlines()[0][:1000] if str(err) else rpc
-        if status in _OWN_FAILURES:
-            _log.error("%s: %s", rpc, line)
-        context.abort(status, line)
-    _log.error("%s: internal error", rpc, exc_info=err)
-    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {rpc} ({type(err).__name__})")

@@ -5,7 +5,7 @@ Every error a user or a peer can cause is an `OvtError`: it explains itself in o
 a traceback for a user mistake. Internal bugs stay ordinary exceptions.
 
 Daemons turn these errors into gRPC status codes in one place, at their edge
-(`proto.serving.STATUS_OF`, applied to every servicer by `proto.serving.rpc_errors`): a servicer
+(`proto.status.STATUS_OF`, applied to every servicer by `proto.status.rpc_errors`): a servicer
 raises the error that says what went wrong, never a status code.
 """
 

@@ -28,7 +28,8 @@ from auditor_node.cli import main as auditor_main
 from auditor_node.server import AuditorNode
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import DEFAULT_MAX_STREAMS, ServerLimits, build_server
+from proto.limits import DEFAULT_MAX_STREAMS, ServerLimits
+from proto.serving import build_server
 from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile

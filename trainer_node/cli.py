@@ -26,7 +26,8 @@ from pathlib import Path
 import grpc
 
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.serving import add_limit_options, limits_of, make_channel, make_self_signed_cert
+from proto.limits import add_limit_options, limits_of
+from proto.serving import make_channel, make_self_signed_cert
 from proto.submit import submit_job
 from protocol.cli.commands import run_command
 from protocol.commit.keys import KeyPair

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, ServerLimits, build_server, make_health
+from proto.limits import ServerLimits
+from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.files import remove_stale_temp_files

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import receive_chunks
-from proto.serving import job_id_of, rpc_errors
+from proto.status import job_id_of, rpc_errors
 from protocol.codec.state import load_safetensors, state_digest
 from protocol.engine.programs.registry import parameter_count, require_allowed
 from protocol.errors import (

@@ -151,7 +151,7 @@ def _serving(servicer):
 def test_a_program_that_does_not_load_is_a_status_not_unknown(served, tmp_path):
     """Finding 7 (issue 10): GetCheckpoint (regenerating a missing S_t) and GetBatch load the
     job's program; a program that does not load (here: its source hash differs) is the
-    program's error, FAILED_PRECONDITION, through `proto.serving.rpc_errors`."""
+    program's error, FAILED_PRECONDITION, through `proto.status.rpc_errors`."""
     spec, store, _, _ = served
     other = dataclasses.replace(spec, program_source_hash=bytes(32))
     moved = JobStore(tmp_path, other)

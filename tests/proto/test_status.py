@@ -1,4 +1,4 @@
-"""proto.serving.rpc_errors: the one table from ovt's errors to gRPC status codes, applied at
+"""proto.status: the one table from ovt's errors to gRPC status codes, applied at
 the servicers' edge; a bug is INTERNAL with one log line, never UNKNOWN."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import grpc
 import pytest
 
-from proto.serving import STATUS_OF, rpc_errors, status_of
+from proto.status import STATUS_OF, rpc_errors, status_of
 from protocol import errors
 
 
