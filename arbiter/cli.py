@@ -41,6 +41,7 @@ from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, VerdictError
 from protocol.files import atomic_write
+from protocol.job.create import DEFAULT_MAX_PARAMS, require_model_size
 from protocol.job.spec import JobSpec
 
 from .adjudicate import DEFAULT_DEADLINE_S, DEFAULT_EVIDENCE_TIMEOUT_S, adjudicate
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     adj.add_argument("--evidence-timeout", type=float, default=DEFAULT_EVIDENCE_TIMEOUT_S,
                      metavar="SECONDS", help="how long each node may take to serve S_{i-1}, "
                      "B_i or L_i (default: %(default)s)")
-    _allow_program(adj)
+    _program_options(adj)
     adj.add_argument("--evidence", type=Path, default=None, metavar="DIR",
                      help="also keep S_{i-1}, B_i and L_i here, for `verify --evidence`")
     _profile_options(adj)
@@ -95,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="require the verdict to be signed by this key")
     ver.add_argument("--evidence", type=Path, default=None, metavar="DIR",
                      help="re-execute the disputed step from this evidence as well")
-    _allow_program(ver)
+    _program_options(ver)
     _profile_options(ver)
     ver.add_argument("--json", action="store_true", help="print the verdict as JSON")
     ver.set_defaults(run=_verify)
@@ -104,10 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _allow_program(parser: argparse.ArgumentParser) -> None:
+def _program_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-program", action="append", default=[], metavar="REF",
                         help="also re-execute jobs of this non-built-in program (loading a "
                              "program runs its code here; repeatable)")
+    parser.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                        help="re-execute only built-in models of at most this many parameters "
+                             "(counted from the job's config before anything is built; "
+                             "default: %(default)s)")
+
+
+def _require_program(spec: JobSpec, args: argparse.Namespace) -> None:
+    """The job's program may be loaded here (built-in or allowed) and is not too big to build.
+    Raises ConfigError or ResourceLimitError (exit 2, no verdict)."""
+    require_allowed(spec.program, args.allow_program, "arbiter")
+    require_model_size(spec, args.max_params)
 
 
 def _profile_options(parser: argparse.ArgumentParser) -> None:
@@ -169,7 +181,7 @@ def _adjudicate(args) -> int:
     with make_channel(args.trainer, **tls) as t_channel, \
             make_channel(args.auditor, **tls) as a_channel:
         spec = _fetch_spec(job_id, [("trainer", t_channel), ("auditor", a_channel)])
-        require_allowed(spec.program, args.allow_program, "arbiter")
+        _require_program(spec, args)
         challenge = _challenge(args, a_channel, job_id)
         print(f"ovt-arbiter: job {job_id.hex()[:16]}…: the auditor challenges step "
               f"{challenge.step} of {spec.steps}", file=sys.stderr)
@@ -254,8 +266,7 @@ def _verify(args) -> int:
     try:
         verdict = verify_verdict(data, arbiter_key=arbiter_key)
         if args.evidence is not None:
-            require_allowed(JobSpec.from_bytes(verdict.spec).program, args.allow_program,
-                            "arbiter")
+            _require_program(JobSpec.from_bytes(verdict.spec), args)
             recheck_evidence(verdict, args.evidence, profile=profile_of(args))
     except VerdictError as err:
         print(f"ovt-arbiter: INVALID verdict: {err}", file=sys.stderr)

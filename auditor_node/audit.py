@@ -34,6 +34,7 @@ from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, OvtError, PeerError
 from protocol.files import atomic_write
+from protocol.job.create import DEFAULT_MAX_PARAMS, require_model_size
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -122,6 +123,7 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               profile: Profile, *, tls_ca: Path | None = None,
               allow_remote_plaintext: bool = False, progress: Progress | None = None,
               allowed_programs: Collection[str] = (),
+              max_params: int = DEFAULT_MAX_PARAMS,
               deadline_s: float = DEFAULT_DEADLINE_S,
               hooks: StepHooks | None = None) -> AuditRecord:
     """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
@@ -130,8 +132,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     PeerError for a trainer that does not answer or answers with anything that does not verify
     (a spec that does not hash to `job_id` included), ConfigError for a job whose program is
     neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
-    trainer may not choose an arbitrary one), ProgramError if this machine's program source
-    differs from the job's, StoreError for a damaged store; and whatever `progress`
+    trainer may not choose an arbitrary one), ResourceLimitError for a built-in model of more
+    than `max_params` parameters (checked before it is built), ProgramError if this machine's
+    program source differs from the job's, StoreError for a damaged store; and whatever `progress`
     raises (the audit then resumes from the store on the next call).
 
     `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
@@ -143,6 +146,7 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
                       allow_remote_plaintext=allow_remote_plaintext) as channel:
         spec = fetch_spec(channel, job_id, deadline_s)
         require_allowed(spec.program, allowed_programs, "auditor")
+        require_model_size(spec, max_params)
         store = JobStore(store_root, spec)
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)

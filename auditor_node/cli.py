@@ -25,6 +25,7 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
+from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
 
 from .audit import MATCHED, AuditRecord, run_audit
@@ -69,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--allow-program", action="append", default=[], metavar="REF",
                              help="a user program (package.module:function or "
                                   "file.py:function) jobs may run here; built-ins always may")
+        command.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                             help="the largest built-in model (in parameters, counted from the "
+                                  "job's config before anything is built) a trainer's job may "
+                                  "make this auditor build (default: %(default)s)")
         command.add_argument("--insecure-allow-remote-plaintext", action="store_true",
                              help=_PLAINTEXT_HELP)
         command.add_argument("--inject-fault", action="append", default=[], type=_fault,
@@ -87,6 +92,12 @@ def _fault(text: str) -> Fault:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _positive(max_params: int) -> int:
+    if max_params < 1:
+        raise ConfigError(f"--max-params must be at least 1, got {max_params}")
+    return max_params
+
+
 def _warn_faults(args) -> None:
     if args.inject_fault:
         print(f"ovt-auditor: WARNING: FAULT INJECTION: this auditor LIES on purpose "
@@ -99,7 +110,7 @@ def _serve(args) -> int:
                        listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
-                       limits=limits_of(args),
+                       limits=limits_of(args), max_params=_positive(args.max_params),
                        faults=tuple(args.inject_fault))  # it warns when faults are set
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -130,6 +141,7 @@ def _audit(args) -> int:
                        Profile.parse(args.profile), tls_ca=args.tls_ca,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        allowed_programs=args.allow_program, progress=_progress,
+                       max_params=_positive(args.max_params),
                        hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None)
     if sys.stderr.isatty() and 0 < record.replayed < record.steps:
         print(file=sys.stderr)  # end the progress line

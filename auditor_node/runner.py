@@ -30,6 +30,7 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, OvtError
 from protocol.files import atomic_write
+from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.queue import JobQueue, Stopped
 from protocol.job.run import StepHooks
 from protocol.job.store import SPEC_FILE
@@ -65,6 +66,7 @@ class AuditRunner:
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (),
+                 max_params: int = DEFAULT_MAX_PARAMS,
                  audit: Callable[..., AuditRecord] = run_audit,
                  hooks: StepHooks | None = None) -> None:
         """`hooks`: FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
@@ -74,6 +76,7 @@ class AuditRunner:
         self.key, self.profile, self.tls_ca = key, profile, tls_ca
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
+        self.max_params = max_params
         self._audit = audit
         self._queue: JobQueue[AuditStatus] = JobQueue("audit-runner", self._run,
                                                       max_waiting=MAX_PENDING, noun="audits")
@@ -160,6 +163,7 @@ class AuditRunner:
                                  tls_ca=self.tls_ca, progress=progress,
                                  allow_remote_plaintext=self.allow_remote_plaintext,
                                  allowed_programs=self.allowed_programs,
+                                 max_params=self.max_params,
                                  # only when set: an `audit` stand-in need not know of hooks
                                  **({} if self.hooks is None else {"hooks": self.hooks}))
         except Stopped:

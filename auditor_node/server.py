@@ -23,6 +23,7 @@ from proto.serving import build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.files import remove_stale_temp_files
+from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
 
 from .faults import AuditorFaults
@@ -40,9 +41,10 @@ class AuditorNode:
                  tls_cert: Path | None = None, tls_key: Path | None = None,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (), limits: ServerLimits | None = None,
-                 faults: Collection[Fault] = ()) -> None:
+                 max_params: int = DEFAULT_MAX_PARAMS, faults: Collection[Fault] = ()) -> None:
         """`limits`: the server's worker threads, stream slots and stream idle timeout
-        (default `ServerLimits()`). `faults`: FAULT INJECTION only (tests and demos): make this
+        (default `ServerLimits()`). `max_params`: the largest built-in model a trainer's spec
+        may make this auditor build. `faults`: FAULT INJECTION only (tests and demos): make this
         auditor lie, see `auditor_node.faults`. Raises ConfigError for a bad address, TLS files
         or plaintext off loopback."""
         profile.check_runnable()
@@ -51,7 +53,7 @@ class AuditorNode:
                         "demos of the dispute game only", ", ".join(map(str, faults)))
         self.runner = AuditRunner(store_root, key, profile, tls_ca=tls_ca,
                                   allow_remote_plaintext=allow_remote_plaintext,
-                                  allowed_programs=allowed_programs,
+                                  allowed_programs=allowed_programs, max_params=max_params,
                                   hooks=AuditorFaults(faults) if faults else None)
         claims = ClaimsServicer(StoreDirectory(Path(store_root)))
         auditor = AuditorServicer(self.runner)

@@ -39,9 +39,8 @@ from proto.submit import submit_job
 from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.programs import char_transformer
-from protocol.job.create import build_job
+from protocol.job.create import DEFAULT_MAX_PARAMS, build_job
 from protocol.job.spec import JobSpec
-from trainer_node.service import DEFAULT_MAX_PARAMS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}

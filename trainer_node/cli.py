@@ -34,11 +34,12 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, PeerError
 from protocol.files import atomic_write
+from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault, parse_fault
 
 from .faults import KINDS as FAULT_KINDS
 from .server import TrainerConfig, TrainerNode
-from .service import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_MAX_PARAMS
+from .service import DEFAULT_MAX_INFLIGHT_BYTES
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

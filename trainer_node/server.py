@@ -20,13 +20,13 @@ from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.files import remove_stale_temp_files
+from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
 
 from .faults import TrainerFaults
 from .runner import JobRunner
 from .service import (
     DEFAULT_MAX_INFLIGHT_BYTES,
-    DEFAULT_MAX_PARAMS,
     DEFAULT_MAX_STATE_BYTES,
     TrainerServicer,
 )

@@ -39,7 +39,7 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import receive_chunks
 from proto.status import job_id_of, rpc_errors
 from protocol.codec.state import load_safetensors, state_digest
-from protocol.engine.programs.registry import parameter_count, require_allowed
+from protocol.engine.programs.registry import require_allowed
 from protocol.errors import (
     ConfigError,
     NotFoundError,
@@ -54,7 +54,12 @@ from protocol.errors import (
     UnavailableError,
 )
 from protocol.files import temporary_file
-from protocol.job.create import check_program_source, load_job_program
+from protocol.job.create import (
+    DEFAULT_MAX_PARAMS,
+    check_program_source,
+    load_job_program,
+    require_model_size,
+)
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -63,7 +68,6 @@ from .runner import MAX_QUEUED, JobRunner, JobStatus
 WATCH_POLL_S = 1.0  # how often a Watch checks that its client is still there
 DEFAULT_MAX_STATE_BYTES = 8 << 30  # the largest S_0 SubmitStream takes
 DEFAULT_MAX_INFLIGHT_BYTES = 8 << 30  # S_0 bytes of all submissions in flight together
-DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a spec may ask for (1 GiB in float32)
 
 
 class ByteBudget:
@@ -232,16 +236,12 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         (one the operator allowed) is built to check its config: only its code can tell."""
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
-            params = parameter_count(spec.program, spec.config)
-            if params is None:
-                load_job_program(spec)  # checks the source, then builds
+            if require_model_size(spec, self.max_params) is None:
+                load_job_program(spec)  # a user program: checks the source, then builds
             else:
                 check_program_source(spec)
         except (ProgramError, ConfigError) as err:
             raise RefusedError(_one_line(err)) from None
-        if params is not None and params > self.max_params:
-            raise ResourceLimitError(f"program {spec.program!r} with this config has {params} "
-                                     f"parameters; this trainer takes at most {self.max_params}")
 
     def _status(self, job_id: bytes) -> JobStatus:
         status = self.runner.status(job_id_of(job_id))

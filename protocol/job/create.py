@@ -37,10 +37,11 @@ from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.registry import load_program, program_source
-from protocol.errors import ConfigError, ProgramError
+from protocol.engine.programs.registry import load_program, parameter_count, program_source
+from protocol.errors import ConfigError, ProgramError, ResourceLimitError
 from protocol.job.spec import JobSpec, count, typed
 
+DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a peer's spec may ask for (1 GiB f32)
 _JOB_KEYS = {"program", "preset", "steps", "seed", "init_seed", "checkpoint_interval",
              "commit_interval", "config", "precision"}
 _PRECISION_KEYS = {"compute", "target", "tau", "tau_ieee"}
@@ -64,6 +65,21 @@ def check_program_source(spec: JobSpec) -> None:
         raise ProgramError(f"the source of program {spec.program!r} differs from the one "
                            f"this job committed to ({digest.hex()[:16]}… != "
                            f"{spec.program_source_hash.hex()[:16]}…)")
+
+
+def require_model_size(spec: JobSpec, max_params: int) -> int | None:
+    """Refuse a built-in model of more than `max_params` parameters, counted from the spec's
+    config alone, before anything is built (a peer's spec must not make a node allocate what
+    it likes). Returns the count; None for a user program, which only building can tell.
+
+    Raises ResourceLimitError over the bound, ConfigError for a config the built-in rejects.
+    """
+    params = parameter_count(spec.program, spec.config)
+    if params is not None and params > max_params:
+        raise ResourceLimitError(f"program {spec.program!r} with this config has {params} "
+                                 f"parameters; at most {max_params} are taken here "
+                                 f"(--max-params)")
+    return params
 
 
 def job_executor(spec: JobSpec, profile: Profile) -> Executor:

@@ -140,7 +140,8 @@ def test_a_trainer_answering_with_garbage_loses_as_malformed(dispute, serve, tmp
     assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "malformed", 3)
 
 
-@pytest.mark.parametrize("change", ["job", "challenge", "deadline", "unreachable"])
+@pytest.mark.parametrize("change", ["job", "challenge", "deadline", "unreachable",
+                                    "max-params"])
 def test_bad_input_is_one_line_and_exit_2(dispute, serve, tmp_path, capsys, change):
     root, spec = dispute
     trainer, auditor = serve(root / "trainer"), serve(root / "auditor")
@@ -154,6 +155,8 @@ def test_bad_input_is_one_line_and_exit_2(dispute, serve, tmp_path, capsys, chan
         args[args.index(str(root / "challenge.ovt"))] = str(tmp_path / "bad")
     elif change == "deadline":
         args += ["--deadline", "0"]
+    elif change == "max-params":  # a model the arbiter will not build: no verdict
+        args += ["--max-params", "10"]
     else:
         args[args.index(trainer)] = args[args.index(auditor)] = "127.0.0.1:1"
     assert main(args) == 2

@@ -18,7 +18,8 @@ from proto.claims import ClaimsServicer, StoreDirectory
 from proto.serving import build_server, make_self_signed_cert
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
-from protocol.errors import EncodingError, OvtError, PeerError
+from protocol.engine.programs.registry import parameter_count
+from protocol.errors import EncodingError, OvtError, PeerError, ResourceLimitError
 from protocol.job.store import JobStore
 
 from .conftest import AUDITOR_PROFILE, FALSIFIED_STEP, STEPS, Counting, serve_claims
@@ -251,3 +252,17 @@ def test_audit_over_tls_checks_the_trainer_certificate(trained, tmp_path):
                       KeyPair.generate(), AUDITOR_PROFILE, tls_ca=stranger, deadline_s=5)
     finally:
         server.stop(grace=None)
+
+
+def test_a_model_over_max_params_is_refused_before_anything_is_built(trained, trainer_address,
+                                                                    tmp_path):
+    # Regression (hostile-peer finding 6, the auditor's side): a trainer's spec alone made the
+    # auditor build whatever model it named.
+    params = parameter_count(trained.spec.program, trained.spec.config)
+    with pytest.raises(ResourceLimitError, match=f"has {params} parameters"):
+        run_audit(trainer_address, trained.spec.job_id, tmp_path, KeyPair.generate(),
+                  AUDITOR_PROFILE, max_params=params - 1)
+    assert not (tmp_path / trained.spec.job_id.hex()).exists()
+    record = run_audit(trainer_address, trained.spec.job_id, tmp_path, KeyPair.generate(),
+                       AUDITOR_PROFILE, max_params=params)
+    assert record.state == "matched"
