@@ -7,6 +7,7 @@ becomes a gRPC status with a one-line message (never a traceback):
     job id not 32 bytes                                            INVALID_ARGUMENT
     program not allowed here, missing, or its source hash differs  FAILED_PRECONDITION
     a config the program rejects                                   FAILED_PRECONDITION
+    the store holds another job under the same id (damaged)       FAILED_PRECONDITION
     a built-in model of more than `max_params` parameters          RESOURCE_EXHAUSTED
     unknown job                                                    NOT_FOUND
     MAX_QUEUED jobs already waiting (a new job refused unwritten)  RESOURCE_EXHAUSTED
