@@ -7,6 +7,7 @@ are all a `Leaf`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from protocol.codec.canonical import encode
 from protocol.commit.hashing import leaf_hash
@@ -30,6 +31,8 @@ class Leaf:
     state_hash: bytes
     log_hash: bytes
 
-    @property
+    @cached_property
     def hash(self) -> bytes:
+        """H(0x00 || canonical(t, h_t, ℓ_t)), computed once per leaf (a store checks it on
+        every read, and the tree is built from it)."""
         return leaf_hash_of(self.step, self.state_hash, self.log_hash)

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.codec.canonical import PROTOCOL_VERSION, decode_object, encode
-from protocol.codec.fields import require_fields, require_version
+from protocol.codec.fields import require_bytes, require_fields, require_version
 from protocol.commit.commitments import Claim, SignedCommitment
+from protocol.commit.hashing import HASH_SIZE
 from protocol.dispute.game import start
 from protocol.errors import EncodingError, ProofError, SignatureError
 from protocol.job.spec import JobSpec
@@ -48,8 +49,7 @@ class Challenge:
     auditor_leaf0: Claim
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job_id, bytes) or len(self.job_id) != 32:
-            raise EncodingError("challenge job_id must be 32 bytes")
+        require_bytes("challenge job_id", self.job_id, HASH_SIZE)
         if type(self.step) is not int or self.step < 0:
             raise EncodingError(f"challenge step must be a non-negative integer, got "
                                 f"{self.step!r}")

@@ -70,7 +70,6 @@ def _recorded_log(result: StepResult) -> bytes:
     return encode_log(result.log)
 
 
-
 def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitment:
     tree = store.tree(n)
     commitment = Commitment(job_id=store.spec.job_id, n=n, root=tree.root,
