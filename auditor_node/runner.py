@@ -103,7 +103,7 @@ class AuditRunner:
             try:
                 job_id = bytes.fromhex(request.parent.name)
                 trainer = _read_request(request)
-            except (ValueError, EncodingError) as err:
+            except (ValueError, EncodingError, OSError) as err:  # one bad file stops no start
                 print(f"ovt-auditor: ignoring {request}: {err}", file=sys.stderr)
                 continue
             record = _read_record(request.parent / RECORD_FILE)

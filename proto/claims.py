@@ -222,6 +222,9 @@ def receive_chunks(chunks: Iterable[ovt_pb2.Chunk], max_bytes: int, out: BinaryI
     for chunk in chunks:
         if chunk.offset != expected_offset or (total is not None and chunk.total_size != total):
             raise PeerError("chunk stream out of order or inconsistent")
+        if not chunk.data and (total is not None or chunk.total_size != 0):
+            # only an empty payload is one empty chunk; empty chunks would hold a stream open
+            raise PeerError("empty chunk in a chunk stream")
         if total is None:
             total = chunk.total_size
             if total > max_bytes:

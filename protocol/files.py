@@ -12,6 +12,7 @@ its block ends. Both are named `.NAME.XXXXXXXX.tmp`; a kill can still leave one 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 _DEFAULT_MODE = 0o666 & ~_UMASK
 _TEMP_SUFFIX = ".tmp"
+# mkstemp names: the prefix, 8 characters of [a-z0-9_], the suffix; or the old `.NAME.tmpPID`.
+_TEMP_NAME = re.compile(r"\..+\.(?:[a-z0-9_]{8}\.tmp|tmp[0-9]+)")
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None,
@@ -65,15 +68,17 @@ def temporary_file(directory: str | os.PathLike[str],
 
 
 def remove_stale_temp_files(root: str | os.PathLike[str]) -> int:
-    """Delete every temporary file (`.NAME.XXXXXXXX.tmp`) under `root`, at any depth, and return
-    how many there were. Call it only before anything writes under `root` (a daemon's start): a
-    temporary file there was left by a killed process, never holds a trusted name and is never
-    read. Symbolic links are not followed. Raises OSError as the filesystem does."""
+    """Delete every temporary file ovt made under `root` (`.NAME.XXXXXXXX.tmp`, and the
+    `.NAME.tmpPID` an earlier ovt wrote), at any depth, and return how many there were; another
+    dotfile ending in `.tmp` is left alone. Call it only before anything writes under `root`
+    (a daemon's start): a temporary file there was left by a killed process, never holds a
+    trusted name and is never read. Symbolic links are not followed. Raises OSError as the
+    filesystem does."""
     removed = 0
     for directory, _, names in os.walk(root):
         for name in names:
             path = Path(directory, name)
-            if name.startswith(".") and name.endswith(_TEMP_SUFFIX) and not path.is_symlink():
+            if _TEMP_NAME.fullmatch(name) and not path.is_symlink():
                 path.unlink(missing_ok=True)
                 removed += 1
     return removed

@@ -132,8 +132,11 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     def Submit(self, request, context):
         self._require_running()
         spec = self._spec(request.spec)
+        if len(request.initial_state) > self.max_state_bytes:
+            raise RequestError(f"initial_state: peer sent {len(request.initial_state)} bytes, "
+                               f"more than the {self.max_state_bytes} allowed")
+        self._require_room(spec)  # cheap first: a user program is built to check its config
         self._check_program(spec)
-        self._require_room(spec)
         with self._inflight.claim() as reserve:
             reserve(len(request.initial_state))
             return self._loader.submit(self._submit, spec, lambda: request.initial_state).result()
@@ -148,8 +151,8 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         if first is None or not first.spec:
             raise RequestError("the first part of SubmitStream must carry the job spec")
         spec = self._spec(first.spec)
+        self._require_room(spec)  # cheap first: a user program is built to check its config
         self._check_program(spec)
-        self._require_room(spec)
 
         def state_chunks():
             if first.HasField("initial_state"):
@@ -159,17 +162,18 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                     raise RequestError("only the first part of SubmitStream may carry a spec")
                 yield part.initial_state
 
-        with self._inflight.claim() as reserve, \
-                temporary_file(self.root, "submitted-s0") as (out, path):
-            try:
-                receive_chunks(state_chunks(), self.max_state_bytes, out, admit=reserve)
-                out.flush()
-            except PeerError as err:
-                raise RequestError(f"initial_state: {err}") from None
-            except OSError as err:
-                raise ResourceLimitError(f"the trainer cannot hold the initial state: "
-                                         f"{err.strerror}") from None
-            return self._loader.submit(self._submit, spec, path.read_bytes).result()
+        try:
+            with self._inflight.claim() as reserve, \
+                    temporary_file(self.root, "submitted-s0") as (out, path):
+                try:
+                    receive_chunks(state_chunks(), self.max_state_bytes, out, admit=reserve)
+                    out.flush()
+                except PeerError as err:
+                    raise RequestError(f"initial_state: {err}") from None
+                return self._loader.submit(self._submit, spec, path.read_bytes).result()
+        except OSError as err:  # no room on disk for S_0 (or for storing it)
+            raise ResourceLimitError(f"the trainer cannot hold the initial state: "
+                                     f"{err.strerror or err}") from None
 
     def _submit(self, spec: JobSpec, initial_state: Callable[[], bytes]) -> ovt_pb2.SubmitReply:
         """Load S_0 (`initial_state()` gives its bytes), check it against h_0, store and queue

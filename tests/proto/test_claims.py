@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import shutil
 import struct
@@ -133,6 +134,23 @@ def test_join_chunks_never_holds_more_than_was_announced():
 
     with pytest.raises(PeerError, match="more than the 1 bytes it announced"):
         join_chunks(endless(), max_bytes=1 << 20)
+
+
+def test_empty_chunks_cannot_hold_a_stream_open():
+    """Review of finding 5: a chunk stream of endless empty chunks (each with the right offset)
+    kept a stream, its slot and its budget claim forever; only an empty payload is one empty
+    chunk."""
+    data = b"x" * 10
+
+    def stalling():
+        yield ovt_pb2.Chunk(data=b"", offset=0, total_size=len(data))
+        yield ovt_pb2.Chunk(data=data, offset=0, total_size=len(data),
+                            sha256=hashlib.sha256(data).digest())
+
+    with pytest.raises(PeerError, match="empty chunk"):
+        join_chunks(stalling(), max_bytes=1 << 20)
+    assert join_chunks(chunks(b""), max_bytes=1 << 20) == b""
+    assert join_chunks(chunks(data), max_bytes=1 << 20) == data
 
 
 @contextlib.contextmanager

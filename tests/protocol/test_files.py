@@ -70,9 +70,11 @@ def test_finding_9_stale_temp_files_are_removed_at_any_depth(tmp_path):
     (root / "job" / "logs").mkdir(parents=True)
     outside.mkdir()
     stale = [root / ".submitted-s0.k2j4h1xq.tmp", root / "job" / ".spec.ovtjob.abcdefgh.tmp",
-             root / "job" / "logs" / ".000000007.ovtl.z.0a1b2c3d.tmp"]
+             root / "job" / "logs" / ".000000007.ovtl.z.0a1b2c3d.tmp",
+             root / "job" / ".leaves.sqlite.tmp4242"]  # what an earlier ovt left
     kept = [root / "job" / "spec.ovtjob", root / "job" / "logs" / "000000007.ovtl.z",
-            outside / ".elsewhere.abcdefgh.tmp"]
+            outside / ".elsewhere.abcdefgh.tmp",
+            root / ".notes.tmp", root / "job" / ".draft.TMPNAME1.tmp"]  # not ovt's
     for path in stale + kept:
         path.write_bytes(b"x")
     (root / "link").symlink_to(outside, target_is_directory=True)
