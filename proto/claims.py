@@ -94,7 +94,10 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         self.leaf_fault = leaf_fault
         self._data_trees: dict[bytes, object] = {}
         self._trees: dict[tuple[bytes, int], MerkleTree] = {}  # committed leaves never change
+        # Two locks: committing a dataset (GetBatch's first call for a job) hashes every example
+        # and must never hold up GetLeaf, which a party answers under the arbiter's deadline.
         self._lock = threading.Lock()
+        self._data_lock = threading.Lock()
 
     def _tree(self, store: JobStore, n: int) -> MerkleTree:
         key = (store.spec.job_id, n)
@@ -184,7 +187,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
                             proof=tree.proof(int(i))) for i in indices])
 
     def _data(self, spec: JobSpec):
-        with self._lock:
+        with self._data_lock:
             if spec.job_id not in self._data_trees:
                 program = load_job_program(spec)
                 self._data_trees[spec.job_id] = (
