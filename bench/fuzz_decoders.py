@@ -345,6 +345,26 @@ def _log() -> RoundingLog:
                         SiteLog(300, np.array([1, 200, 299]), np.array([True, True, False]))))
 
 
+def _value_logs() -> list[RoundingLog]:
+    """Logs with value entries (format v2): in the first, a middle and the last site, next to
+    direction entries and in a site without them, bits from 0 to 2**32 - 1; and one whose only
+    entries are value entries."""
+    none, no_up = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+    return [
+        RoundingLog((
+            SiteLog(5, np.array([0, 3]), np.array([True, False]),
+                    np.array([1, 4]), np.array([0x3F80, 0], dtype=np.uint32)),
+            SiteLog(0, none, no_up),
+            SiteLog(200, none, no_up, np.array([7]), np.array([0xFFFF], dtype=np.uint32)),
+            SiteLog(300, np.array([1, 200, 299]), np.array([True, True, False]),
+                    np.array([0, 150, 298]), np.array([2**32 - 1, 0x7FC0, 1], dtype=np.uint32)),
+        )),
+        RoundingLog((SiteLog(3, none, no_up), SiteLog(2**40, none, no_up,
+                                                      np.array([2**40 - 1]),
+                                                      np.array([0xBF80], dtype=np.uint32)))),
+    ]
+
+
 N, D = 8, 3  # the dispute's job has N steps; the auditor's leaves differ from step D on
 
 
@@ -438,7 +458,8 @@ TARGETS: tuple[Target, ...] = (
            BINARY),
     Target("safetensors", load_safetensors, _safetensors_fixed_point,
            lambda: [safetensors.torch.save(_state(), metadata={"step": "3"})], SAFETENSORS),
-    Target("log", decode_log, reencodes(encode_log), lambda: [encode_log(_log())], BINARY),
+    Target("log", decode_log, reencodes(encode_log),
+           lambda: [encode_log(log) for log in (_log(), *_value_logs())], BINARY),
     Target("job-spec", JobSpec.from_bytes, reencodes(JobSpec.to_bytes),
            lambda: [_spec().to_bytes()], MSGPACK),
     Target("signed-commitment", SignedCommitment.from_bytes,

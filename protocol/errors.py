@@ -45,21 +45,29 @@ class LogMismatchError(OvtError):
 class LogViolationError(OvtError):
     """A logged rounding decision where no choice existed (SPEC §3.2, validity rule).
 
-    Raised in replay when a logged element's replayed value lies at distance d >= 2*tau from the
-    rounding boundary. Carries the step, site, op, flat element index and d.
+    Raised in replay when a logged element's replayed value lies farther than 4e' from the
+    rounding boundary (e' its certified error bound), or its op is correctly rounded (e' = 0).
+    Carries the step, site, op, flat element index, the distance δ' and the bound e'.
     """
 
     exit_code = 3
 
     def __init__(self, step: int | None, site: int, op: str, index: int, distance: float,
-                 tau: float) -> None:
+                 bound: float, note: str | None = None) -> None:
         self.step, self.site, self.op = step, site, op
-        self.index, self.distance, self.tau = index, distance, tau
+        self.index, self.distance, self.bound = index, distance, bound
         where = f"step {step}, " if step is not None else ""
+        if note is not None:
+            why = f"{distance:.6g} away, e' = {bound:.6g}: {note}"
+        elif bound > 0:
+            why = (f"{distance:.6g} from the rounding boundary, {distance / bound:.3g} times its "
+                   f"certified error bound e' = {bound:.6g} (the limit is 4)")
+        else:
+            why = (f"{distance:.6g} from the rounding boundary, and its op is correctly rounded "
+                   f"(error bound 0): every machine computes the same value")
         super().__init__(
             f"log violation at {where}site {site} ({op}), element {index}: replayed value is "
-            f"{distance:.6f} target ULP from the rounding boundary, outside the band "
-            f"2*tau = {2 * tau:g}; the log claims a rounding choice that did not exist"
+            f"{why}; the log claims a rounding choice that did not exist"
         )
 
 

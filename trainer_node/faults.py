@@ -11,7 +11,8 @@ training faults (applied through `protocol.job.run.StepHooks` while the job trai
                        and L_k is the empty log
     lr:k               from step k on, every parameter group's learning rate is doubled
     swap-checkpoint:k  S_k is stored (and trained on) one ULP off at one model element
-    log-flip:k         step k trains honestly, but L_k has one entry's direction flipped
+    log-flip:k         step k trains honestly, but L_k has one entry's direction flipped (one
+                       whose flip changes S_k: most flips are absorbed by later rounding)
     log-invent:k       step k trains honestly, but L_k has an entry at an element the trainer
                        did not log (one far from any rounding boundary, so replay rejects it)
     log-drop:k         step k rounds one logged element the other (legal) way, and L_k omits
@@ -27,6 +28,7 @@ The faults apply to every job the daemon trains or serves. Several may be combin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Iterable
@@ -36,6 +38,7 @@ import torch
 
 from proto import ovt_pb2
 from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_log
+from protocol.codec.state import state_digest
 from protocol.engine.batches import batch_indices
 from protocol.engine.executor import Executor
 from protocol.errors import ConfigError
@@ -45,45 +48,58 @@ from protocol.job.run import StepHooks
 STALL_POLL_S = 0.1
 
 
-def _flip_entry(log: RoundingLog) -> tuple[RoundingLog, int, int]:
-    """`log` with the last entry of its last site that has entries flipped; (log, site, entry).
-
-    In the built-in programs that site is the optimizer's parameter update, so the flipped
-    direction lands in S_t itself and cannot be absorbed by later rounding.
-    """
-    sites = log.sites
-    which = next((i for i in reversed(range(len(sites))) if sites[i].indices.size), None)
-    if which is None:
-        raise ConfigError("the step's rounding log has no entry to flip")
-    site = sites[which]
+def _flip_entry(log: RoundingLog, which: int) -> tuple[RoundingLog, int]:
+    """`log` with the direction of the last entry of site `which` flipped; and that entry."""
+    site = log.sites[which]
     up = site.up.copy()
     up[-1] = not up[-1]
-    changed = SiteLog(site.numel, site.indices, up)
-    return RoundingLog(sites[:which] + (changed,) + sites[which + 1:]), which, len(up) - 1
+    changed = dataclasses.replace(site, up=up)
+    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:]), len(up) - 1
+
+
+def _effective_flip(ex: Executor, saved: dict[str, torch.Tensor], examples, log: RoundingLog,
+                    honest: dict[str, torch.Tensor], tries: int = 32
+                    ) -> tuple[RoundingLog, int, int]:
+    """A flipped direction that changes S_t: (the flipped log, its site, its entry).
+
+    With certified bands most logged elements are intermediate values (reductions that cancel)
+    whose other rounding later ops absorb; such a flip is a legal move that changes nothing, not
+    a cheat. So the candidates — the last entry of each site with directions, latest site first
+    — are replayed from S_{t-1} until one gives another S_t. Leaves `ex` at that S_t.
+    """
+    sites = [i for i in reversed(range(len(log.sites))) if log.sites[i].indices.size]
+    for which in sites[:tries]:
+        flipped, entry = _flip_entry(log, which)
+        ex.load_state(saved)
+        ex.step(flipped, examples=examples)
+        if state_digest(ex.state()) != state_digest(honest):
+            return flipped, which, entry
+    raise ConfigError("no direction entry of the step's rounding log changes S_t when flipped")
 
 
 def _drop_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:
     site = log.sites[which]
     keep = [i for i in range(site.indices.size) if i != entry]
-    changed = SiteLog(site.numel, site.indices[keep], site.up[keep])
+    changed = dataclasses.replace(site, indices=site.indices[keep], up=site.up[keep])
     return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:])
 
 
 def _invent_entry(log: RoundingLog) -> RoundingLog:
     """`log` with one entry the trainer never recorded.
 
-    Placed at element 0 of the first site without entries (often an op rounded with tau 0,
-    where any entry is a violation), else at the first unlogged element of the first site that
-    has one; such an element is almost surely far from a boundary (d >= 2 tau), so a replay
+    Placed at element 0 of the first site without entries (often a correctly rounded op, bound
+    0, where any entry is a violation), else at the first unlogged element of the first site
+    that has one; such an element is almost surely far from a boundary (δ > 4e), so a replay
     raises LogViolationError there.
     """
     sites = log.sites
-    which = next((i for i, s in enumerate(sites) if s.numel and not s.indices.size), None)
+    which = next((i for i, s in enumerate(sites)
+                  if s.numel and not s.indices.size and not s.value_indices.size), None)
     if which is not None:
         index = 0
     else:
         which, index = next(((i, _first_gap(s)) for i, s in enumerate(sites)
-                             if s.indices.size < s.numel), (None, None))
+                             if s.indices.size + s.value_indices.size < s.numel), (None, None))
         if which is None:
             raise ConfigError("every element of the step's rounding log is logged already")
     site = sites[which]
@@ -92,13 +108,14 @@ def _invent_entry(log: RoundingLog) -> RoundingLog:
     up = site.up.tolist()
     indices.insert(pos, index)
     up.insert(pos, True)
-    changed = SiteLog(site.numel, np.array(indices, dtype=np.int64), np.array(up, dtype=bool))
+    changed = dataclasses.replace(site, indices=np.array(indices, dtype=np.int64),
+                                  up=np.array(up, dtype=bool))
     return RoundingLog(sites[:which] + (changed,) + sites[which + 1:])
 
 
 def _first_gap(site: SiteLog) -> int:
     """The smallest element index of `site` that is not logged."""
-    logged = set(site.indices.tolist())
+    logged = set(site.indices.tolist()) | set(site.value_indices.tolist())
     return next(i for i in range(site.numel) if i not in logged)
 
 
@@ -150,8 +167,8 @@ class TrainerFaults(StepHooks):
 
     def before(self, t: int, ex: Executor) -> None:
         self._ex = ex  # `examples` needs the program's dataset (swap-examples)
-        self._saved = ex.state() if self._at("skip-step", t) or self._at("log-drop", t) \
-            else None
+        self._saved = ex.state() if any(self._at(kind, t) for kind in
+                                        ("skip-step", "log-drop", "log-flip")) else None
         for fault in self.faults:  # lr: once per executor, so a resumed job keeps it too
             if fault.kind == "lr" and t >= fault.step and ex not in self._lr_doubled:
                 for group in ex.optimizer.param_groups:
@@ -173,13 +190,16 @@ class TrainerFaults(StepHooks):
         return examples
 
     def after(self, t, ex, log):
-        if self._at("log-flip", t):
-            log = encode_log(_flip_entry(decode_log(log))[0])
+        if self._at("log-flip", t):  # S_t stays honest; the log replays to another state
+            honest = ex.state()
+            flipped, _, _ = _effective_flip(ex, self._saved, self._examples, decode_log(log),
+                                            honest)
+            ex.load_state(honest)
+            log = encode_log(flipped)
         if self._at("log-drop", t):
             # Round that element the other (legal, in-band) way, then leave it out of the log.
-            flipped, which, entry = _flip_entry(decode_log(log))
-            ex.load_state(self._saved)
-            ex.step(flipped, examples=self._examples)
+            flipped, which, entry = _effective_flip(ex, self._saved, self._examples,
+                                                    decode_log(log), ex.state())
             log = encode_log(_drop_entry(flipped, which, entry))
         if self._at("log-invent", t):
             log = encode_log(_invent_entry(decode_log(log)))

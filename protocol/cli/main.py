@@ -27,16 +27,20 @@ Train N steps under the trainer's hardware profile, replay them under the audito
 and compare the state hash h_t after every step.
 
 In --mode ovt (default) every floating-point op is computed in the policy's compute dtype and
-rounded to the target dtype; the trainer records the rounding decisions near a boundary and the
-auditor replays with them, so the two agree bit for bit. In --mode plain both train in ordinary
-float32, which shows what hardware nondeterminism does without ovt.
+rounded to the target dtype; each element gets a certified error bound e from its op's rule,
+the trainer logs the elements within 2e of a rounding boundary, and the auditor replays with
+that log, so the two agree bit for bit. In --mode plain both train in ordinary float32, which
+shows what hardware nondeterminism does without ovt.
 
-Profiles (presets): cpu-1t, cpu-2t, channels-last, isa-default, emulated-gpu, cuda; or
-key=value pairs, e.g. 'threads=1,splitk=7', 'device=cuda', 'isa=default,threads=2'.
+Profiles (presets): {presets}; or key=value pairs, e.g.
+'threads=1,splitk=7,chunks=5,order=pairwise', 'adversary=1', 'device=cuda'. The adversary moves
+every result by its proven bound toward the nearest rounding boundary: the worst any machine
+within the rules could do.
 
-The report lists per-step hash equality, the first divergent step, log sizes, timings and, for
-the probed steps, the largest divergence per op class in target ULPs next to tau.
-"""
+The report lists per-step hash equality, the first divergent step, log sizes, the elements per
+step inside the band (the trainer's freedom), timings and, for the probed steps, the largest
+divergence per op as a fraction of its bound (at most 1 on conforming hardware).
+""".format(presets=", ".join(profiles.PRESETS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +74,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="ovt: rounded training with logs; plain: ordinary float32 (default: ovt)")
     rc.add_argument("--policy", default="float64->float32",
                     help="compute->target dtypes: float64->float32 or float32->bfloat16")
-    rc.add_argument("--tau", type=float, default=None,
-                    help="logging band half-width in target ULPs (default: the policy's)")
     rc.add_argument("--seed", type=int, default=0, help="job seed: data order, dropout")
     rc.add_argument("--init-seed", type=int, default=1, help="seed of the initial state S_0")
     rc.add_argument("--probe-steps", default="1",
@@ -87,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 def _replay_check(args) -> int:
     if args.steps < 1:
         raise ConfigError("--steps must be at least 1")
-    policy = PrecisionPolicy.parse(args.policy, args.tau)
+    policy = PrecisionPolicy.parse(args.policy)
     trainer_profile = profiles.Profile.parse(args.trainer_profile)
     auditor_profile = profiles.Profile.parse(args.auditor_profile)
     probe = _probe_steps(args.probe_steps, args.steps)
@@ -97,7 +99,7 @@ def _replay_check(args) -> int:
         run_dir = str(args.run_dir or tmp)
         common = dict(program=args.program, preset=args.preset, config=config, seed=args.seed,
                       init_seed=args.init_seed, steps=args.steps, policy=args.policy,
-                      tau=args.tau, mode=args.mode, probe_steps=probe, run_dir=run_dir)
+                      mode=args.mode, probe_steps=probe, run_dir=run_dir)
         trainer = SideSpec(role="trainer", profile=args.trainer_profile, **common)
         auditor = SideSpec(role="auditor", profile=args.auditor_profile, **common)
         result = replay_check(trainer, auditor, None if args.json else _Progress(args.steps))
@@ -165,7 +167,7 @@ def _json_report(args, policy, tp, ap, result: CheckResult) -> dict:
         })
     return {
         "program": args.program, "preset": args.preset, "mode": args.mode,
-        "policy": policy.name, "tau": policy.tau, "tau_ieee": policy.tau_ieee,
+        "policy": policy.name, "bound_rules": policy.rules,
         "trainer_profile": {"name": tp.name, "describe": tp.describe()},
         "auditor_profile": {"name": ap.name, "describe": ap.describe()},
         "initial_hash": t.hashes[0] if t.hashes else None,
@@ -178,8 +180,7 @@ def _print_report(args, policy, tp, ap, result: CheckResult) -> None:
     print(f"ovt replay-check: {args.program} (preset {args.preset}), {args.steps} steps, "
           f"mode {args.mode}")
     if args.mode == "ovt":
-        print(f"  policy {policy.name}, tau {policy.tau:g} target ULP "
-              f"(ieee ops {policy.tau_ieee:g})")
+        print(f"  policy {policy.name}, certified bands (bound rules v{policy.rules})")
     print(f"  trainer profile {tp.name} ({tp.describe()}); auditor profile {ap.name} "
           f"({ap.describe()})")
     print(f"  {'step':>5} {'trainer h_t':16} {'auditor h_t':16} {'equal':5} {'log B':>7} "
@@ -209,20 +210,23 @@ def _print_summary(args, policy, result: CheckResult) -> None:
         dense = elements / 5  # ternary digits packed 5 per byte: 1.6 bits per element
         print(f"log: median {s['median_log_bytes']:.0f} B/step, {s['median_entries']:.0f} "
               f"entries of {elements} rounded elements "
-              f"({100 * s['median_entries'] / elements:.3f}%); dense ternary would be "
-              f"{dense:.0f} B: ratio {s['median_log_bytes'] / dense:.4f}")
+              f"({100 * s['median_entries'] / elements:.4f}%, at most {s['max_entries']} in a "
+              f"step: the trainer's freedom); dense ternary would be {dense:.0f} B: ratio "
+              f"{s['median_log_bytes'] / dense:.5f}")
     if t.seconds and a.seconds:
         print(f"time: median step {1e3 * s['median_trainer_step_s']:.1f} ms trainer, "
               f"{1e3 * s['median_auditor_step_s']:.1f} ms auditor")
     if a.divergence:
         print(f"divergence between the profiles, per op (probed steps {args.probe_steps}), "
-              f"in target ULPs:")
-        rows = sorted(a.divergence.items(), key=lambda kv: -kv[1]["max_ulps"])
+              f"as a fraction of the certified bound e (conforming hardware: at most 1):")
+        rows = sorted(a.divergence.items(), key=lambda kv: -kv[1]["max_fraction_of_bound"])
         for op, d in rows:
-            tau = policy.tau_for(d["ieee"])
-            margin = f"{tau / d['max_ulps']:.1f}x" if d["max_ulps"] > 0 else "-"
-            print(f"  {op:44} {'ieee' if d['ieee'] else 'general':7} max {d['max_ulps']:.3g} "
-                  f"({d['differing']}/{d['elements']} differ) tau {tau:g} margin {margin}")
+            zero = f", {d['zero_bound_differing']} with bound 0 differ (UNSOUND)" \
+                if d["zero_bound_differing"] else ""
+            print(f"  {op:44} max {d['max_fraction_of_bound']:.3g} of e "
+                  f"({d['differing']}/{d['elements']} differ){zero}")
+        worst = max(d["max_fraction_of_bound"] for d in a.divergence.values())
+        print(f"  worst: {worst:.3g} of e")
 
 
 if __name__ == "__main__":

@@ -1,96 +1,122 @@
-"""Measuring hardware divergence per op class, to set tau from data (SPEC §3.1, §6).
+"""Measuring hardware divergence per op against its certified bound (SPEC §3.2, §6).
 
-The paper's adaptive thresholding: before trusting a threshold, look at how far two machines'
-compute-dtype results actually drift apart. The trainer captures every site's exact (pre-rounding)
-values for a step; the auditor replays that step with the trainer's log, so each of its sites
-sees bit-identical inputs, and compares its own pre-rounding values element by element. The
-difference, in target ULPs, is pure hardware divergence; its maximum per op must stay below tau
-(an element farther than tau from a boundary must round the same way on both machines) with a
-margin.
+Before trusting the bound rules on a machine, look at how far two machines' compute-dtype results
+actually drift apart. The trainer captures every site's exact (pre-rounding) values for a step,
+streaming them to a file so that a step of any size fits in memory; the auditor replays that
+step with the trainer's log, so each of its sites sees bit-identical inputs, and compares its
+own pre-rounding values element by element. The difference is pure hardware divergence; as a
+fraction of the element's bound `e` it must stay at most 1 on conforming hardware (each side is
+within `e / 2` of the exact result), and the band absorbs anything up to 2. An op with bound 0
+must not differ at all.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.codec.roundinglog import RoundingLog
+from protocol.engine.bounds import Bound
 from protocol.engine.precision import PrecisionPolicy
-from protocol.engine.rounding import SiteRecorder, SiteReplayer
+from protocol.engine.rounding import SiteRecorder, SiteReplayer, site_bounds, site_values
+from protocol.errors import ConfigError
 
-_MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7}
 
-
-def target_ulp(y: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    """The target-dtype ULP at each value of `y` (compute dtype), subnormal ULP for tiny ones."""
-    _, exponent = torch.frexp(y)  # y = m * 2**e, 0.5 <= |m| < 1
-    exp = (exponent - (_MANTISSA_BITS[policy.target] + 1)).clamp_min(
-        policy.fmt["subnormal_ulp_exp"])
-    return torch.ldexp(torch.ones_like(y), exp)
+def probe_paths(directory: Path, step: int) -> tuple[Path, Path]:
+    """The probe of one step: raw values (site after site) and their index (JSON)."""
+    return directory / f"probe-{step:07d}.bin", directory / f"probe-{step:07d}.json"
 
 
 class CapturingRecorder(SiteRecorder):
-    """Record mode that also keeps every site's compute-dtype values (for one probed step)."""
+    """Record mode that also streams every site's compute-dtype values to a probe file."""
 
-    def __init__(self, policy: PrecisionPolicy) -> None:
+    def __init__(self, policy: PrecisionPolicy, directory: Path, step: int) -> None:
         super().__init__(policy)
-        self.captured: list[torch.Tensor] = []
+        self._values_path, self._index_path = probe_paths(directory, step)
+        self._file = self._values_path.open("wb")
+        self._sites: list[tuple[int, int]] = []
+        self._offset = 0
 
-    def round_site(self, op, ys, ieee=False):
-        self.captured.append(_concat(ys))
-        return super().round_site(op, ys, ieee)
+    def round_site(self, op, ys, bounds):
+        values = site_values(ys).detach().cpu().contiguous().numpy()
+        self._file.write(values.tobytes())
+        self._sites.append((self._offset, values.size))
+        self._offset += values.size
+        return super().round_site(op, ys, bounds)
 
-    def reference(self) -> dict[str, torch.Tensor]:
-        """The captured values, named by site number (sortable, for the state codec)."""
-        return {f"site{k:07d}": v for k, v in enumerate(self.captured)}
+    def close(self) -> None:
+        """Finish the probe: flush the values and write their index."""
+        self._file.close()
+        self._index_path.write_text(json.dumps(
+            {"dtype": dtype_name(self.policy.compute), "sites": self._sites}))
 
 
 @dataclass
 class OpDivergence:
-    """What one op class showed: sites, elements, how many differed, the worst, in ULPs."""
+    """What one op showed: sites, elements, how many differed, and the worst as a fraction of
+    the bound; `zero_bound_differing` counts elements with bound 0 that differed (must be 0)."""
 
-    ieee: bool
     sites: int = 0
     elements: int = 0
     differing: int = 0
-    max_ulps: float = 0.0
+    max_fraction_of_bound: float = 0.0
+    zero_bound_differing: int = 0
 
 
 @dataclass
 class DivergenceReport:
     ops: dict[str, OpDivergence] = field(default_factory=dict)
 
-    def worst(self, ieee: bool) -> float:
-        return max((o.max_ulps for o in self.ops.values() if o.ieee == ieee), default=0.0)
+    def worst(self) -> float:
+        return max((o.max_fraction_of_bound for o in self.ops.values()), default=0.0)
 
     def as_json(self) -> dict:
         return {op: vars(o) for op, o in sorted(self.ops.items())}
 
 
 class ComparingReplayer(SiteReplayer):
-    """Replay mode that compares each site's compute-dtype values with the trainer's."""
+    """Replay mode that compares each site's compute-dtype values with the trainer's probe."""
 
-    def __init__(self, policy: PrecisionPolicy, log: RoundingLog, reference: dict, step: int,
+    def __init__(self, policy: PrecisionPolicy, log: RoundingLog, directory: Path, step: int,
                  report: DivergenceReport) -> None:
         super().__init__(policy, log, step)
-        self.reference, self.report = reference, report
+        values_path, index_path = probe_paths(directory, step)
+        index = json.loads(index_path.read_text())
+        if DTYPES.get(index.get("dtype")) is not policy.compute:
+            raise ConfigError(f"probe {index_path} holds {index.get('dtype')} values, the "
+                              f"policy computes in {dtype_name(policy.compute)}")
+        self._sites = index["sites"]
+        self._values = np.memmap(values_path, dtype=np.dtype(index["dtype"]), mode="r") \
+            if values_path.stat().st_size else np.zeros(0)
+        self.report = report
 
-    def round_site(self, op, ys, ieee=False):
+    def round_site(self, op, ys, bounds: list[Bound]):
         k = self.position
-        mine = _concat(ys)
-        theirs = self.reference.get(f"site{k:07d}")
-        entry = self.report.ops.setdefault(op, OpDivergence(ieee))
+        entry = self.report.ops.setdefault(op, OpDivergence())
         entry.sites += 1
-        if theirs is not None and theirs.shape == mine.shape:
-            both = torch.isfinite(mine) & torch.isfinite(theirs)
-            diff = torch.where(both, (mine - theirs).abs() / target_ulp(theirs, self.policy), 0.0)
-            entry.elements += mine.numel()
-            entry.differing += int((diff > 0).sum())
-            if diff.numel():
-                entry.max_ulps = max(entry.max_ulps, float(diff.max()))
-        return super().round_site(op, ys, ieee)
+        if k < len(self._sites):
+            offset, numel = self._sites[k]
+            mine = site_values(ys).detach().cpu()
+            if numel == mine.numel():
+                theirs = torch.from_numpy(np.array(self._values[offset:offset + numel]))
+                self._compare(entry, mine, theirs, site_bounds(ys, bounds))
+        return super().round_site(op, ys, bounds)
 
-
-def _concat(ys: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([y.detach().reshape(-1).cpu() for y in ys]) if ys else torch.zeros(0)
+    @staticmethod
+    def _compare(entry: OpDivergence, mine: torch.Tensor, theirs: torch.Tensor,
+                 e: torch.Tensor | None) -> None:
+        both = torch.isfinite(mine) & torch.isfinite(theirs)
+        diff = torch.where(both, (mine - theirs).abs(), 0.0)
+        entry.elements += mine.numel()
+        entry.differing += int((diff > 0).sum())
+        bound = torch.zeros_like(diff) if e is None else e.detach().cpu().to(diff.dtype)
+        entry.zero_bound_differing += int(((bound == 0) & (diff > 0)).sum())
+        positive = bound > 0
+        if bool(positive.any()):
+            worst = float((diff[positive] / bound[positive]).max())
+            entry.max_fraction_of_bound = max(entry.max_fraction_of_bound, worst)

@@ -32,8 +32,8 @@ from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.base import TrainingProgram
 from protocol.engine.rng import RandomStream
-from protocol.engine.rounding import SiteRecorder, SiteReplayer
-from protocol.engine.splitk import ReorderMode, SplitK
+from protocol.engine.rounding import BoundAdversary, SiteRecorder, SiteReplayer
+from protocol.engine.splitk import ReorderMode
 from protocol.errors import ConfigError, DeterminismError
 
 MODES = ("ovt", "plain", "plain64")
@@ -132,7 +132,7 @@ class Executor:
         _use_foreach(self.optimizer)
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         self.step_count = 0
-        self._splitk = SplitK(profile.splitk) if profile.splitk is not None else None
+        self._splitk = profile.reorder()
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -226,10 +226,13 @@ class Executor:
         if self.mode == "ovt" and rounder is None:
             rounder = SiteRecorder(self.policy) if log is None else \
                 SiteReplayer(self.policy, log, step=t)
+        arithmetic = rounder
+        if self.profile.adversary and rounder is not None:
+            arithmetic = BoundAdversary(rounder, self.policy)
         with _STEP_LOCK:
             start = time.perf_counter()  # the step's own time, not the wait for the lock
             self.optimizer.zero_grad(set_to_none=True)
-            with pinned_backends(), self.profile.applied(), self._arithmetic(rounder), \
+            with pinned_backends(), self.profile.applied(), self._arithmetic(arithmetic), \
                     PortableDropout(self.seed, t):
                 loss = self.program.loss(self.model, batch)
                 loss.backward()

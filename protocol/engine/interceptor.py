@@ -2,16 +2,20 @@
 
 `RoundingMode` is a `TorchDispatchMode`, so it sits below autograd and sees the forward pass,
 the backward pass and the optimizer update as one stream of aten ops; the user's model and
-optimizer code run unmodified. For each FLOAT op (see `optable`) it:
+optimizer code run unmodified. For each FLOAT op (see `optable`) with a bound rule (`bounds`) it:
 
 1. upcasts every target-dtype tensor argument to the compute dtype (exact) and rounds every
    Python float argument to the target dtype, so the op's inputs are target-representable;
 2. runs the op in the compute dtype (through `compute`, which a profile may replace to re-order
-   accumulation, see `splitk`);
-3. hands all floating results — outputs, then arguments the op wrote to — to the rounder as one
-   site, and returns target-dtype tensors (writing in place where the op was in place).
+   accumulation, see `splitk`), keeping the native kernel;
+3. computes each result element's certified error bound from the op's rule (SPEC §3.2.1);
+4. hands all floating results — outputs, then arguments the op wrote to — with their bounds to
+   the rounder as one site, and returns target-dtype tensors (writing in place where the op was
+   in place).
 
-EXACT ops run untouched on target-dtype tensors; RANDOM ops raise `DeterminismError`.
+A FLOAT op without a rule runs its decomposition (`decompositions`) under this same mode, so
+each primitive inside is its own site; one with neither is refused. EXACT ops run untouched on
+target-dtype tensors; RANDOM ops raise `DeterminismError`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from protocol.engine.optable import OpKind, accumulates, is_ieee_op, mutated_args, op_kind, op_name
+from protocol.engine.bounds import BoundContext, Rule, bounds_for, rule_of
+from protocol.engine.decompositions import decomposition_of
+from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
 from protocol.engine.precision import PrecisionPolicy
 from protocol.errors import DeterminismError
 
@@ -92,6 +98,13 @@ class WidenCache:
                         self.held -= entry[2].numel() * entry[2].element_size()
 
 
+def _copy_of(ids: set[int]):
+    """A tree_map function copying the tensors in `ids` (an in-place op's wide inputs)."""
+    def copy(value):
+        return value.clone() if isinstance(value, torch.Tensor) and id(value) in ids else value
+    return copy
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.device)
 
@@ -100,7 +113,8 @@ class RoundingMode(TorchDispatchMode):
     """Computes each FLOAT op in `policy.compute` and rounds its results through `rounder`.
 
     `rounder` is a `SiteRecorder` (record mode) or `SiteReplayer` (replay mode); anything with
-    `round_site(op_name, [tensors], ieee) -> [tensors]` works (the divergence probe uses that).
+    `round_site(op_name, [tensors], [bounds]) -> [tensors]` works (the divergence probe and the
+    bound adversary use that).
     """
 
     def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute):
@@ -108,6 +122,7 @@ class RoundingMode(TorchDispatchMode):
         self.policy, self.rounder, self.compute = policy, rounder, compute
         self._round_scalar = _SCALAR_ROUNDERS[policy.target]
         self._widened = WidenCache(policy.compute)
+        self._bounds = BoundContext(policy)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,33 +154,63 @@ class RoundingMode(TorchDispatchMode):
     # -- FLOAT ops -----------------------------------------------------------------------------
 
     def _float_op(self, func, args, kwargs):
+        rule = rule_of(func, args, kwargs)
+        if rule is None and self._reads_floats(args, kwargs):
+            return self._decompose(func, args, kwargs)
         positions, names = mutated_args(func)
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        found = [False]
-        wide_args = tuple(self._widen(a, i in positions, writes, found) for i, a in enumerate(args))
-        wide_kwargs = {k: self._widen(v, k in names, writes, found) for k, v in kwargs.items()}
+        found = [False, False]  # target-dtype inputs, compute-dtype inputs
+        wide_args = tuple(self._widen(func, a, i in positions, writes, found)
+                          for i, a in enumerate(args))
+        wide_kwargs = {k: self._widen(func, v, k in names, writes, found)
+                       for k, v in kwargs.items()}
         if kwargs.get("dtype") == self.policy.target:  # a factory asked for the target dtype
             wide_kwargs["dtype"], found[0] = self.policy.compute, True
-        if not found[0]:
-            return self._no_float_inputs(func, args, kwargs)
+        if not any(found):
+            return self._no_float_inputs(func, rule, args, kwargs)
+        assert rule is not None  # an op reading floats without a rule was decomposed
+        inputs = (wide_args, wide_kwargs)
+        if writes and rule.reads_inputs:  # the rule needs what the op is about to overwrite
+            inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
         out = self.compute(func, wide_args, wide_kwargs)
-        return self._round_results(op_name(func), out, writes, is_ieee_op(func, args, kwargs))
+        return self._round_results(func, rule, inputs, out, writes, keep_compute=not found[0])
 
-    def _no_float_inputs(self, func, args, kwargs):
-        """An op without target-dtype inputs: integer ops pass; one that still makes
-        target-dtype floats (linspace, arange(0, 1, 0.1), int / int) is re-run in the compute
+    def _reads_floats(self, args, kwargs) -> bool:
+        dtypes = (self.policy.target, self.policy.compute)
+        return kwargs.get("dtype") in dtypes or any(
+            isinstance(leaf, torch.Tensor) and leaf.dtype in dtypes
+            for leaf in tree_flatten((args, kwargs))[0])
+
+    def _decompose(self, func, args, kwargs):
+        """Run `func` as its decomposition into ops with bound rules (SPEC §3.2.1), each
+        intercepted by this mode; refuse an op that has neither."""
+        decomposition = decomposition_of(func)
+        if decomposition is None:
+            raise DeterminismError(
+                f"{op_name(func)} has no certified error bound and no decomposition into ops "
+                f"that have one (SPEC §3.2.1), so ovt cannot round it soundly; express it "
+                f"with supported ops, or add a bound rule to protocol.engine.bounds")
+        with self:
+            return decomposition(*args, **kwargs)
+
+    def _no_float_inputs(self, func, rule: Rule | None, args, kwargs):
+        """An op without floating inputs: integer ops pass; one that still makes target- or
+        compute-dtype floats (linspace, arange(0, 1, 0.1), int / int) is re-run in the compute
         dtype, with integer and boolean tensors widened, and rounded as a site (SPEC §3.2)."""
         out = func(*args, **kwargs)
-        if not any(isinstance(leaf, torch.Tensor) and leaf.dtype == self.policy.target
-                   for leaf in tree_flatten(out)[0]):
+        made = {leaf.dtype for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)}
+        if not made & {self.policy.target, self.policy.compute}:
             self._forget_writes(func, args, kwargs)
             return out
+        if rule is None:
+            return self._decompose(func, args, kwargs)
         compute = self.policy.compute
         wide_args, wide_kwargs = tree_map(self._widen_exact, (args, kwargs))
         if "dtype" in {a.name for a in func._schema.arguments}:
             wide_kwargs["dtype"] = compute
-        return self._round_results(op_name(func), self.compute(func, wide_args, wide_kwargs), [],
-                                   False)
+        out = self.compute(func, wide_args, wide_kwargs)
+        return self._round_results(func, rule, (wide_args, wide_kwargs), out, [],
+                                   keep_compute=self.policy.target not in made)
 
     def _widen_exact(self, value):
         if isinstance(value, torch.Tensor) and not value.is_floating_point() \
@@ -173,10 +218,26 @@ class RoundingMode(TorchDispatchMode):
             return value.to(self.policy.compute)
         return self._round_scalar(value) if isinstance(value, float) else value
 
-    def _widen(self, value, mutable: bool, writes: list, found: list):
+    def _widen(self, func, value, mutable: bool, writes: list, found: list):
+        """The compute-dtype form of one argument; notes in `found` which float dtypes it read.
+
+        A compute-dtype tensor (a decomposition's upcast, or a program computing wide) is
+        already wide: the op is a site all the same, its results rounded to the target and
+        handed back in the compute dtype. Any other floating dtype cannot be certified.
+        """
         target = self.policy.target
         if isinstance(value, torch.Tensor):
+            if value.dtype == self.policy.compute:
+                found[1] = True
+                if mutable:
+                    writes.append((value, value))
+                return value
             if value.dtype != target:
+                if value.is_floating_point():
+                    raise DeterminismError(
+                        f"{op_name(func)} computes on a {value.dtype} tensor inside a step; "
+                        f"the precision policy {self.policy.name} certifies only its two dtypes "
+                        f"(SPEC §3.1): keep the model and its data in {target}")
                 return value
             found[0] = True
             if not mutable:  # the op only reads it: a cached copy serves
@@ -187,10 +248,15 @@ class RoundingMode(TorchDispatchMode):
         if isinstance(value, float):
             return self._round_scalar(value)
         if isinstance(value, (list, tuple)) and value:
-            return type(value)(self._widen(v, mutable, writes, found) for v in value)
+            return type(value)(self._widen(func, v, mutable, writes, found) for v in value)
         return value
 
-    def _round_results(self, op: str, out, writes: list, ieee: bool):
+    def _round_results(self, func, rule: Rule | None, inputs: tuple[tuple, dict], out,
+                       writes: list, keep_compute: bool = False):
+        """Round one site: the op's floating outputs, then the arguments it wrote, with the
+        bounds of `rule` computed from `inputs` (None: a correctly rounded conversion, e = 0).
+        `keep_compute`: the op had no target-dtype input, so its outputs go back in the compute
+        dtype (rounded all the same: exact target values, widened)."""
         write_of = {id(wide): orig for orig, wide in writes}
         leaves, spec = tree_flatten(out)
         # per leaf: index into ys, the written original, or the leaf itself
@@ -206,7 +272,11 @@ class RoundingMode(TorchDispatchMode):
                 slots.append(("keep", leaf))
         first_write = len(ys)
         ys.extend(wide for _, wide in writes)
-        rounded = self.rounder.round_site(op, ys, ieee)
+        bounds = [None] * len(ys) if rule is None else \
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
+        rounded = self.rounder.round_site(op_name(func), ys, bounds)
+        if keep_compute:
+            rounded = [r.to(self.policy.compute) for r in rounded]
         for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
             orig.copy_(r)
             self._widened.forget(orig)
@@ -224,7 +294,8 @@ class RoundingMode(TorchDispatchMode):
     def _narrowing_copy(self, func, args, kwargs):
         """A cast into the target dtype is a rounding like any other: one site (SPEC §3.2)."""
         src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
-        (r,) = self.rounder.round_site(op_name(func), [src.to(self.policy.compute)])
+        # a conversion is correctly rounded (IEEE-754 §5.4.2): bound 0
+        (r,) = self.rounder.round_site(op_name(func), [src.to(self.policy.compute)], [None])
         if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src)
             return args[0].copy_(r)
         # _to_copy: the rest of its request (device, memory format) is an exact copy of r

@@ -8,17 +8,13 @@ pass and the optimizer alike. An op is classified once, by its schema and name:
 - RANDOM: draws from a device RNG, which is never allowed inside a step (SPEC §3.4).
 - FLOAT: everything else. Computed in the compute dtype and rounded: one site per execution.
 
-FLOAT ops are of two classes for the logging threshold (SPEC §3.1 allows tau per op class):
-- "ieee": one correctly rounded IEEE-754 operation (add, subtract, multiply, square root) on
-  target-representable inputs. IEEE-754 fixes their compute-dtype result bit for bit on every
-  conforming machine, CPU or GPU, so no replay can disagree and nothing needs logging.
-  Division is not in it (CUDA divides by a scalar as a multiplication by its reciprocal), nor is
-  add with alpha != 1 (a*alpha + b may or may not be fused into one FMA).
-- "general": everything else (matmuls, reductions, transcendental functions, fused kernels).
+FLOAT ops get a certified error bound from their rule (`bounds`), or are decomposed into ops
+that have one (`decompositions`), or are refused.
 
-Classifying an unknown op as FLOAT is always safe (rounding an exact result is a no-op that logs
-nothing); classifying a non-exact op as EXACT would leave hardware nondeterminism unrounded, so
-the EXACT list only names ops whose outputs are selections or copies of their inputs.
+Classifying an unknown op as FLOAT is always safe (it then needs a rule, else it is refused;
+rounding an exact result changes nothing); classifying a non-exact op as EXACT would leave
+hardware nondeterminism unrounded, so the EXACT list only names ops whose outputs are selections
+or copies of their inputs.
 """
 
 from __future__ import annotations
@@ -80,31 +76,6 @@ _ACCUMULATING_OVERLOADS = {
     "scatter": ("reduce", "value_reduce"), "scatter_": ("reduce", "value_reduce")}
 
 
-_IEEE = frozenset("""
-    add add_ sub sub_ mul mul_ sqrt sqrt_ rsub _foreach_add _foreach_add_ _foreach_sub
-    _foreach_sub_ _foreach_mul _foreach_mul_ _foreach_sqrt _foreach_sqrt_
-""".split())
-
-
-def is_ieee_op(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
-    """True for a single correctly rounded IEEE operation (see the module docstring)."""
-    if func.overloadpacket.__name__ not in _IEEE:
-        return False
-    position = _alpha_position(func)
-    alpha = args[position] if position is not None and position < len(args) else \
-        kwargs.get("alpha", 1)
-    return alpha == 1
-
-
-@cache
-def _alpha_position(func: torch._ops.OpOverload) -> int | None:
-    """Position of a positional `alpha` argument, where the schema has one."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "alpha" and not arg.kwarg_only:
-            return i
-    return None
-
-
 def accumulates(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """index_put with accumulate=True sums into the destination: a rounding site, not exact."""
     if func.overloadpacket.__name__ not in ("index_put", "index_put_"):
@@ -125,16 +96,11 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-# Ops that write to arguments their schema does not mark as written: native_batch_norm updates
-# running_mean and running_var (positions 3 and 4) in place when training.
-_UNANNOTATED_WRITES = {"native_batch_norm": (3, 4)}
-
-
 @cache
 def mutated_args(func: torch._ops.OpOverload) -> tuple[frozenset[int], frozenset[str]]:
     """Positions and names of the arguments the op writes to (in-place and out= ops)."""
-    positions = set(_UNANNOTATED_WRITES.get(func.overloadpacket.__name__, ()))
-    names = {func._schema.arguments[i].name for i in positions}
+    positions: set[int] = set()
+    names: set[str] = set()
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             names.add(arg.name)

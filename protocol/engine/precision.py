@@ -1,20 +1,26 @@
-"""Precision policy and the rounding rule (SPEC §3.1, §3.2).
+"""Precision policy and the certified rounding rule (SPEC §3.1, §3.2).
 
-A value `y` computed in the compute dtype is rounded to the target dtype. Its distance `d` from
-the nearest rounding boundary (the midpoint between its two target-dtype neighbours) is measured
-in target ULPs, 0 <= d <= 0.5. For a target-normal value that distance lives entirely in the
-compute dtype's extra mantissa bits: with `s = mantissa_bits(compute) - mantissa_bits(target)`,
-the low `s` bits of `y`'s bit pattern are the fraction of a target ULP, and the boundary sits at
-`2**(s-1)`. So the band test is integer arithmetic on a bit view, with no transcendental math
-(the reference implementation spent half its step time on `log10`/`pow` here).
+A value `y` computed in the compute dtype is rounded to the target dtype. Each element also has
+an error bound `e` (from its op's rule, `protocol.engine.bounds`): every conforming execution of
+the op on the same inputs lands within `e` of the exact result. Let `δ` be the absolute distance
+of `y` from the nearest target rounding boundary (the midpoint between two neighbouring target
+values). An element whose `δ ≤ 2e` could round the other way on another honest machine, so the
+trainer logs it; any other element rounds to nearest-even everywhere.
 
-Values whose target is subnormal use the subnormal ULP (the scaled remainder is exact in the
-compute dtype); NaN, ±inf and values that overflow the target are not rounding sites.
+The band test runs in two stages. A dense prefilter reads `y`'s bit pattern: for a target-normal
+value, the low `s` bits (`s` = the compute dtype's extra mantissa bits) are its position inside
+a target ULP, and `|low - 2**(s-1)|` compute ULPs is its distance from the midpoint of its
+binade's target ULP. That distance is exact except just above a power of two, where the nearest
+boundary lies below the binade, at half the spacing; there the true `δ` is at least half of it.
+So "half the prefilter distance `≤ 2e`" keeps every element with `δ ≤ 2e` and few others. The
+survivors (and every target-subnormal value, rare) get the exact `δ` of `boundary_distance`.
+
+NaN, ±inf and values that overflow the target are not rounding sites.
 
 Example:
     >>> policy = PrecisionPolicy()
     >>> y = torch.tensor([1.0 + 2.0**-24], dtype=torch.float64)  # exactly a float32 midpoint
-    >>> float(distance_to_boundary(y, policy)[0])
+    >>> float(boundary_distance(y, y.to(torch.float32), policy)[0])
     0.0
 """
 
@@ -27,44 +33,35 @@ import torch
 from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.errors import ConfigError
 
+# The version of the bound rules (SPEC §3.2.1) this engine certifies with. A job names it, so a
+# party with other rules refuses the job instead of disagreeing about its bands.
+RULES_VERSION = 1
+
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute
 # dtype's `.to(target)` must be a single correctly rounded nearest-even conversion, which holds
 # for these pairs (float64->bfloat16 in torch goes through float32: double rounding, excluded).
 _FORMATS = {
     (torch.float64, torch.float32): dict(
-        int_dtype=torch.int64, shift=52 - 23, min_normal=2.0**-126, subnormal_ulp_exp=-149,
-        abs_mask=0x7FFF_FFFF_FFFF_FFFF, min_normal_bits=(1023 - 126) << 52),
+        int_dtype=torch.int64, shift=52 - 23, compute_mantissa=52, exp_mask=0x7FF0_0000_0000_0000,
+        min_normal=2.0**-126, abs_mask=0x7FFF_FFFF_FFFF_FFFF, min_normal_bits=(1023 - 126) << 52,
+        target_int=torch.int32, target_mantissa=23, target_bias=127),
     (torch.float32, torch.bfloat16): dict(
-        int_dtype=torch.int32, shift=23 - 7, min_normal=2.0**-126, subnormal_ulp_exp=-133,
-        abs_mask=0x7FFF_FFFF, min_normal_bits=1 << 23),
+        int_dtype=torch.int32, shift=23 - 7, compute_mantissa=23, exp_mask=0x7F80_0000,
+        min_normal=2.0**-126, abs_mask=0x7FFF_FFFF, min_normal_bits=1 << 23,
+        target_int=torch.int16, target_mantissa=7, target_bias=127),
 }
 
 # The dtype names a policy may name: those of the supported pairs (DTYPES also names int/bool).
 _POLICY_DTYPES = frozenset(dtype_name(d) for pair in _FORMATS for d in pair)
 
-# Default band half-width in target ULPs for general ops. float64->float32: set from
-# `ovt replay-check` (README "Precision policy"): the largest divergence between profiles
-# measured here was 1.5e-3 target ULP (BatchNorm backward under channels_last), so 2**-8 leaves
-# a 2.5x margin. float32->bfloat16: not measured yet; 2**-4 is a conservative guess.
-DEFAULT_TAU = {
-    (torch.float64, torch.float32): 2.0**-8,
-    (torch.float32, torch.bfloat16): 2.0**-4,
-}
-
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Compute dtype, target dtype and logging thresholds in target ULPs, SPEC §3.1.
-
-    `tau` applies to "general" ops; `tau_ieee` to single correctly rounded IEEE operations,
-    whose compute-dtype result no conforming machine can change (see `optable`): 0 by default,
-    so they log nothing, and any log entry at such a site is a violation (d >= 2*0).
-    """
+    """Compute dtype, target dtype and the version of the bound rules (SPEC §3.1)."""
 
     compute: torch.dtype = torch.float64
     target: torch.dtype = torch.float32
-    tau: float | None = None
-    tau_ieee: float = 0.0
+    rules: int = RULES_VERSION
 
     def __post_init__(self) -> None:
         pair = (self.compute, self.target)
@@ -72,20 +69,19 @@ class PrecisionPolicy:
             names = ", ".join(f"{dtype_name(c)}->{dtype_name(t)}" for c, t in _FORMATS)
             raise ConfigError(f"unsupported precision policy {dtype_name(self.compute)}->"
                               f"{dtype_name(self.target)}; supported: {names}")
-        tau = DEFAULT_TAU[pair] if self.tau is None else self.tau
-        object.__setattr__(self, "tau", tau)
-        if not (0.0 < tau <= 0.25):
-            raise ConfigError(f"tau must be in (0, 0.25] target ULPs, got {tau}")
-        if not (0.0 <= self.tau_ieee <= 0.25):
-            raise ConfigError(f"tau_ieee must be in [0, 0.25] target ULPs, got {self.tau_ieee}")
+        if isinstance(self.rules, bool) or not isinstance(self.rules, int):
+            raise ConfigError(f"bound rules version must be an integer, got {self.rules!r}")
+        if self.rules != RULES_VERSION:
+            raise ConfigError(f"the job certifies rounding with bound rules version "
+                              f"{self.rules}, this ovt implements version {RULES_VERSION}")
 
     @classmethod
-    def parse(cls, text: str, tau: float | None = None) -> PrecisionPolicy:
+    def parse(cls, text: str) -> PrecisionPolicy:
         """Parse 'float64->float32' (or 'float64:float32')."""
         parts = text.replace(":", "->").split("->")
         if len(parts) != 2 or any(p.strip() not in _POLICY_DTYPES for p in parts):
             raise ConfigError(f"bad precision policy {text!r}; expected e.g. 'float64->float32'")
-        return cls(DTYPES[parts[0].strip()], DTYPES[parts[1].strip()], tau)
+        return cls(DTYPES[parts[0].strip()], DTYPES[parts[1].strip()])
 
     @property
     def name(self) -> str:
@@ -95,79 +91,89 @@ class PrecisionPolicy:
     def fmt(self) -> dict:
         return _FORMATS[(self.compute, self.target)]
 
-    def tau_for(self, ieee: bool) -> float:
-        assert self.tau is not None  # __post_init__ replaces None with the pair's default
-        return self.tau_ieee if ieee else self.tau
+    @property
+    def unit_roundoff(self) -> float:
+        """u of the compute dtype: half its ULP at 1 (2**-53 for float64)."""
+        return 2.0 ** -(self.fmt["compute_mantissa"] + 1)
 
-    def band(self, tau: float) -> int:
-        """Integer band: an element is logged iff |low bits - half| < band (SPEC §3.2)."""
-        # k < x  <=>  k < ceil(x) for integer k, so the integer test is exact.
-        return _ceil(tau * 2 ** self.fmt["shift"])
-
-
-
-def _ceil(x: float) -> int:
-    n = int(x)
-    return n if n == x else n + 1
+    @property
+    def tiny(self) -> float:
+        """The compute dtype's smallest subnormal: the absolute error floor of every rule."""
+        return float(torch.finfo(self.compute).smallest_normal) * \
+            2.0 ** -self.fmt["compute_mantissa"]
 
 
-def near_boundary_mask(y: torch.Tensor, policy: PrecisionPolicy, tau: float) -> torch.Tensor:
-    """Dense band test for target-normal values: |low bits - half| < band, as a bool tensor.
+def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPolicy
+                    ) -> torch.Tensor:
+    """Sorted flat indices that may have δ ≤ 2e: a superset, checked exactly by the caller.
 
-    Three passes over `y`: subtract, mask, compare. The subtraction is shifted so that one
-    signed compare after masking tests the symmetric open interval (half - band, half + band).
-    Subnormal-target, overflowing and non-finite values are fixed up by `band_candidates`
-    and its caller.
-    """
-    fmt = policy.fmt
-    shift, band = fmt["shift"], policy.band(tau)
-    low_mask = (1 << shift) - 1
-    half = 1 << (shift - 1)
-    bits = y.view(fmt["int_dtype"])
-    # (low - (half - band + 1)) mod 2**shift < 2*band - 1  <=>  |low - half| <= band - 1
-    t = torch.bitwise_and(bits - (half - band + 1), low_mask)
-    return t < (2 * band - 1)
-
-
-def band_candidates(flat: torch.Tensor, policy: PrecisionPolicy, tau: float) -> torch.Tensor:
-    """Sorted flat indices of the elements of 1-D `flat` (compute dtype) with d < tau.
-
-    The dense integer test is exact for target-normal values. Target-subnormal values need the
-    subnormal ULP (SPEC §3.2): two cheap counts tell whether any nonzero one exists (almost
-    never), and only then are they found and measured exactly. Non-finite values and values
-    that overflow the target may be returned; the caller drops them (no rounding choice there).
-    """
-    cand = near_boundary_mask(flat, policy, tau).nonzero().squeeze(1)
-    fmt = policy.fmt
-    absbits = torch.bitwise_and(flat.view(fmt["int_dtype"]), fmt["abs_mask"])
-    small = absbits < fmt["min_normal_bits"]  # zero or target-subnormal
-    zeros = flat.numel() - int(torch.count_nonzero(absbits))
-    if int(torch.count_nonzero(small)) == zeros:
-        return cand
-    tiny = (small & (absbits != 0)).nonzero().squeeze(1)
-    tiny = tiny[distance_to_boundary(flat[tiny], policy) < tau]
-    cand = cand[~small[cand]]  # the integer test measured these against the wrong ULP
-    return torch.cat([cand, tiny]).sort().values
-
-
-def distance_to_boundary(y: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    """Exact distance d in target ULPs (float64) of each value from its rounding boundary.
-
-    Meant for sparse use (the candidates of the dense test, or logged elements in replay).
-    The arithmetic is float64 whatever the compute dtype: the subnormal-target scaling
-    (|y| * 2**133 for bfloat16) would overflow float32. Non-finite values get d = 0.5.
+    `flat` is the site's values (1-D, compute dtype), `bound` their bounds `e` (same length).
+    Elements with `e = 0` are never candidates: their op is correctly rounded, no machine can
+    land elsewhere, and they log nothing (SPEC §3.2.1).
     """
     fmt = policy.fmt
     shift = fmt["shift"]
-    bits = y.view(fmt["int_dtype"])
-    frac = torch.bitwise_and(bits, (1 << shift) - 1).to(torch.float64) * 2.0**-shift
-    y64 = y.to(torch.float64)
-    tiny = y64.abs() < fmt["min_normal"]
-    if bool(tiny.any()):
-        scaled = y64.abs() * 2.0 ** -fmt["subnormal_ulp_exp"]  # exact: power-of-two scaling
-        frac = torch.where(tiny, scaled - scaled.floor(), frac)
-    d = (frac - 0.5).abs()
-    return torch.where(torch.isfinite(y64), d, torch.full_like(d, 0.5))
+    bits = flat.view(fmt["int_dtype"])
+    low = torch.bitwise_and(bits, (1 << shift) - 1)
+    # distance from the binade's midpoint in compute ULPs, times the compute ULP of y's binade
+    scale = torch.bitwise_and(bits, fmt["exp_mask"]).view(flat.dtype)  # 2**E; 0 for 0/subnormal
+    far = (low - (1 << (shift - 1))).abs().to(flat.dtype) * scale
+    mask = far <= bound * 2.0 ** (fmt["compute_mantissa"] + 2)  # far * 2**-p / 2 <= 2e
+    tiny = torch.bitwise_and(bits, fmt["abs_mask"]) < fmt["min_normal_bits"]  # the ULP differs
+    return ((mask | tiny) & (bound > 0)).nonzero().squeeze(1)
+
+
+def boundary_distance(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """Exact absolute distance δ (float64) of each `y` from its nearest rounding boundary.
+
+    `r` is `y` rounded to nearest-even in the target dtype. The nearest boundary is the midpoint
+    between `r` and its neighbour on `y`'s side; that gap is `r`'s ULP, or half of it below a
+    power of two (where the binade changes). For `y == r` the smaller gap counts. The arithmetic
+    is float64 and exact: `y` and `r` are within one target ULP of each other (Sterbenz).
+    Meant for sparse use (the candidates of `band_candidates`, the logged elements in replay).
+    """
+    y64, r64 = y.to(torch.float64), r.to(torch.float64)
+    halve = _power_of_two(r, policy) & (y64.abs() <= r64.abs())
+    ulp = target_ulp(r, policy)
+    gap = torch.where(halve, ulp * 0.5, ulp)
+    return gap * 0.5 - (y64 - r64).abs()
+
+
+def _magnitude_bits(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """|r|'s bit pattern as int32 (exponent field and mantissa), for a target-dtype `r`."""
+    fmt = policy.fmt
+    return torch.bitwise_and(r.view(fmt["target_int"]).to(torch.int32),
+                             (1 << (fmt["target_mantissa"] + 8)) - 1)
+
+
+def _power_of_two(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """|r| is a normal power of two above the smallest normal: the gap below it is half."""
+    mant_bits = policy.fmt["target_mantissa"]
+    rb = _magnitude_bits(r, policy)
+    return (torch.bitwise_and(rb, (1 << mant_bits) - 1) == 0) & ((rb >> mant_bits) > 1)
+
+
+def target_ulp(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """The spacing of target values just above |r| (float64), for a target-dtype `r`: its ULP,
+    the subnormal ULP for zero and subnormals."""
+    fmt = policy.fmt
+    mant_bits = fmt["target_mantissa"]
+    exp_field = _magnitude_bits(r, policy) >> mant_bits
+    return torch.ldexp(torch.ones(r.shape, dtype=torch.float64, device=r.device),
+                       exp_field.clamp_min(1) - (fmt["target_bias"] + mant_bits))
+
+
+def toward_boundary(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """+1 or -1 per element: the direction from `y` to its nearest rounding boundary.
+
+    The boundary is on `y`'s side of `r`; for `y == r` the side of the smaller gap (below a
+    power of two, toward zero). Used by the bound adversary (profiles: `adversary`).
+    """
+    y64, r64 = y.to(torch.float64), r.to(torch.float64)
+    away = torch.where(y64 == r64, ~_power_of_two(r, policy), y64.abs() > r64.abs())
+    sign = torch.where(r64 < 0, -1.0, 1.0)  # the sign of y (RNE keeps it, even at zero)
+    sign = torch.where(r64 == 0, torch.where(y64 < 0, -1.0, 1.0), sign)
+    return torch.where(away, sign, -sign).to(y.dtype)
 
 
 def rounded_up(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -187,10 +193,7 @@ def step_toward(r: torch.Tensor, y: torch.Tensor, up: torch.Tensor,
     wrong = rounded_up(y, r) != up
     if not bool(wrong.any()):
         return r
-    int_dtype = _TARGET_INT[policy.target]
+    int_dtype = policy.fmt["target_int"]
     step = torch.where(up, 1, -1).to(int_dtype)
     moved = (r.view(int_dtype) + step).view(policy.target)
     return torch.where(wrong, moved, r)
-
-
-_TARGET_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}

@@ -6,10 +6,18 @@ A profile is what an auditor's machine differs in. Real ones on one CPU:
 - `isa`: the kernel instruction set (`ATEN_CPU_CAPABILITY`, fixed when the process starts, so a
   profile asking for another one runs in a subprocess, see `needs_subprocess`);
 - `cuda`: the device itself, where one exists.
-And one emulated: `splitk`, accumulation re-ordered like another GPU's kernels (see `splitk`).
+And emulated ones, stronger than any single CPU knob:
+- `splitk` (+ `chunks`, `order`): accumulation re-ordered like another GPU's kernels, the reduced
+  dimension cut into `chunks` pieces whose partial sums are combined "permuted" (seeded),
+  "pairwise" (a balanced tree) or "reversed" (see `splitk`; `reorder()` builds it);
+- `adversary`: the bound adversary, an emulated machine whose errors reach the certified bounds
+  of SPEC §3.2.1 (its effect lives in the rounding engine; the profile only carries the switch).
 
-Presets (`PRESETS`) name the useful ones; `Profile.parse` also takes `key=value,...`, e.g.
-`threads=1,splitk=7` or `device=cuda`.
+Presets (`PRESETS`) name the useful ones: cpu-1t, cpu-2t, channels-last, isa-default,
+emulated-gpu (3 chunks, permuted), splitk-8 (8 chunks, permuted), pairwise (8 chunks),
+reversed (16 chunks, 1 thread), adversary, adversary-gpu (adversary plus 4 permuted chunks) and
+cuda. `Profile.parse` also takes `key=value,...`, e.g. `threads=1,splitk=7,chunks=5,order=pairwise`,
+`adversary=1` or `device=cuda`.
 """
 
 from __future__ import annotations
@@ -19,9 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.engine.splitk import ORDERS, SplitK
 from protocol.errors import ConfigError
 
 _ISA_VALUES = ("default", "avx2", "avx512")
+_KEYS = "device, threads, memory, isa, splitk, chunks, order, adversary"
+_BOOLS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
@@ -31,19 +42,35 @@ class Profile:
     threads: int | None = None
     channels_last: bool = False
     isa: str | None = None
-    splitk: int | None = None  # seed of the permuted accumulation order; None = native order
+    splitk: int | None = None  # seed of the re-ordered accumulation; None = native order
+    chunks: int = 3  # pieces the reduced dimension is split into (splitk only)
+    order: str = "permuted"  # how the pieces' partial sums are combined: one of splitk.ORDERS
+    adversary: bool = False  # the bound adversary (its effect: the rounding engine)
+
+    def __post_init__(self) -> None:
+        """Raises ConfigError for a chunk count below two or an unknown order."""
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 2:
+            raise ConfigError(f"profile {self.name!r}: chunks must be an integer >= 2, "
+                              f"not {self.chunks!r}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"profile {self.name!r}: unknown order {self.order!r}; choose one "
+                              f"of {', '.join(ORDERS)}")
 
     @classmethod
     def parse(cls, text: str) -> Profile:
+        """A preset by name, or `key=value,...` (keys: see `_KEYS`). Raises ConfigError."""
         if text in PRESETS:
             return PRESETS[text]
         if "=" not in text:
             raise ConfigError(f"unknown profile {text!r}; presets: {', '.join(PRESETS)}; or "
-                              f"key=value pairs with keys device, threads, memory, isa, splitk")
+                              f"key=value pairs with keys {_KEYS}")
         fields: dict = {}
         for item in text.split(","):
             key, _, value = item.partition("=")
             fields.update(_parse_field(key.strip(), value.strip(), text))
+        if fields.keys() & {"chunks", "order"} and "splitk" not in fields:
+            # without a split-K seed they would change nothing: say so rather than run natively
+            raise ConfigError(f"profile {text!r}: chunks and order need splitk=SEED")
         return cls(name=text, **fields)
 
     def describe(self) -> str:
@@ -53,8 +80,16 @@ class Profile:
         if self.isa:
             parts.append(f"isa={self.isa}")
         if self.splitk is not None:
-            parts.append(f"splitk={self.splitk}")
+            parts.append(f"splitk={self.splitk} chunks={self.chunks} order={self.order}")
+        if self.adversary:
+            parts.append("adversary")
         return " ".join(parts)
+
+    def reorder(self) -> SplitK | None:
+        """The `compute` re-ordering this profile's accumulation, or None for the native order."""
+        if self.splitk is None:
+            return None
+        return SplitK(self.splitk, chunks=self.chunks, order=self.order)
 
     @property
     def needs_subprocess(self) -> bool:
@@ -106,7 +141,18 @@ def _parse_field(key: str, value: str, text: str) -> dict:
             return {"isa": value}
         if key == "splitk":
             return {"splitk": int(value)}
-    except ValueError:
+        if key == "chunks":
+            n = int(value)
+            if n < 2:
+                raise ValueError
+            return {"chunks": n}
+        if key == "order":
+            if value not in ORDERS:
+                raise ValueError
+            return {"order": value}
+        if key == "adversary":
+            return {"adversary": _BOOLS[value.lower()]}
+    except (ValueError, KeyError):
         raise ConfigError(f"bad value {value!r} for {key!r} in profile {text!r}") from None
     raise ConfigError(f"unknown profile key {key!r} in {text!r}")
 
@@ -122,16 +168,26 @@ PRESETS: dict[str, Profile] = {
     "channels-last": Profile("channels-last", threads=2, channels_last=True),
     "isa-default": Profile("isa-default", threads=2, isa="default"),
     "emulated-gpu": Profile("emulated-gpu", threads=2, splitk=1),
+    "splitk-8": Profile("splitk-8", threads=2, splitk=2, chunks=8),
+    "pairwise": Profile("pairwise", threads=2, splitk=3, chunks=8, order="pairwise"),
+    "reversed": Profile("reversed", threads=1, splitk=4, chunks=16, order="reversed"),
+    "adversary": Profile("adversary", threads=2, adversary=True),
+    "adversary-gpu": Profile("adversary-gpu", threads=2, splitk=5, chunks=4, adversary=True),
     "cuda": Profile("cuda", device="cuda"),
 }
+
+# The presets that run on any CPU, in the order `available_profiles` lists them.
+_CPU_PRESETS = ("cpu-1t", "cpu-2t", "isa-default", "emulated-gpu", "splitk-8", "pairwise",
+                "reversed", "adversary", "adversary-gpu")
 
 
 def available_profiles(program_has_conv: bool) -> list[Profile]:
     """The presets that really perturb a program on this machine.
 
-    channels_last changes nothing for a program without 4-D tensors, and `cuda` needs a GPU.
+    channels_last changes nothing for a program without 4-D tensors, and `cuda` needs a GPU;
+    every other preset (the emulated ones included) runs on any CPU.
     """
-    names = ["cpu-1t", "cpu-2t", "isa-default", "emulated-gpu"]
+    names = list(_CPU_PRESETS)
     if program_has_conv:
         names.insert(2, "channels-last")
     if torch.cuda.is_available():

@@ -23,7 +23,12 @@ from pathlib import Path
 
 from protocol.codec.roundinglog import decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
-from protocol.engine.divergence import CapturingRecorder, ComparingReplayer, DivergenceReport
+from protocol.engine.divergence import (
+    CapturingRecorder,
+    ComparingReplayer,
+    DivergenceReport,
+    probe_paths,
+)
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -43,7 +48,6 @@ class SideSpec:
     init_seed: int
     steps: int
     policy: str
-    tau: float | None
     profile: str
     mode: str  # "ovt" | "plain"
     probe_steps: tuple[int, ...]
@@ -69,7 +73,7 @@ def _side_dir(spec: SideSpec, role: str) -> Path:
 
 def _executor(spec: SideSpec) -> Executor:
     program = load_program(spec.program, spec.config, spec.preset)
-    policy = PrecisionPolicy.parse(spec.policy, spec.tau)
+    policy = PrecisionPolicy.parse(spec.policy)
     return Executor(program, seed=spec.seed, policy=policy, profile=Profile.parse(spec.profile),
                     mode=spec.mode)
 
@@ -101,9 +105,11 @@ def _train(spec, ex, out, result, progress) -> None:
     result.hashes.append(state_digest(state0).hex())
     (out / "logs").mkdir(exist_ok=True)
     for t in range(1, spec.steps + 1):
-        rounder = CapturingRecorder(ex.policy) if spec.mode == "ovt" and t in spec.probe_steps \
-            else None
+        rounder = CapturingRecorder(ex.policy, out, t) \
+            if spec.mode == "ovt" and t in spec.probe_steps else None
         step = ex.step(rounder=rounder)
+        if rounder is not None:
+            rounder.close()
         if spec.mode == "ovt":
             log = step.log
             data = encode_log(log)
@@ -111,8 +117,6 @@ def _train(spec, ex, out, result, progress) -> None:
             result.log_bytes.append(len(data))
             result.entries.append(log.n_entries)
             result.elements.append(log.n_elements)
-            if rounder is not None:
-                (out / f"probe-{t:07d}.ovts").write_bytes(encode_state(rounder.reference()))
         _note_step(result, ex, step, progress)
 
 
@@ -126,10 +130,8 @@ def _audit(spec, ex, result, progress) -> None:
         log, rounder = None, None
         if spec.mode == "ovt":
             log = decode_log((trainer / "logs" / f"{t:07d}.ovtl").read_bytes())
-            probe = trainer / f"probe-{t:07d}.ovts"
-            if probe.exists():
-                rounder = ComparingReplayer(ex.policy, log, decode_state(probe.read_bytes()), t,
-                                            report)
+            if probe_paths(trainer, t)[1].exists():
+                rounder = ComparingReplayer(ex.policy, log, trainer, t, report)
         step = ex.step(log, rounder=rounder)
         _note_step(result, ex, step, progress)
         if result.hashes[t] != expected[t]:
@@ -202,6 +204,7 @@ class CheckResult:
             "median_auditor_step_s": _median(a.seconds),
             "median_log_bytes": _median(t.log_bytes),
             "median_entries": _median(t.entries),
+            "max_entries": max(t.entries, default=None),
             "elements_per_step": t.elements[0] if t.elements else None,
         }
 

@@ -1,9 +1,20 @@
-"""Rounding one site: record mode and replay mode (SPEC §3.2, §3.3).
+"""Rounding one site: record mode, replay mode and the bound adversary (SPEC §3.2, §3.3).
 
 A site is one floating-point op execution; its elements are the concatenation, in order, of all
 the floating tensors the op produced (outputs, then arguments it mutated), each in logical
-row-major order whatever its memory layout. `SiteRecorder` rounds to nearest-even and notes the
-elements inside the band; `SiteReplayer` applies a recorded log and checks its validity.
+row-major order whatever its memory layout. Each comes with its certified error bound `e`
+(`protocol.engine.bounds`). `SiteRecorder` rounds to nearest-even and logs the elements with
+`δ ≤ 2e`; `SiteReplayer` applies a recorded log and checks its validity (`δ' ≤ 4e'`);
+`BoundAdversary` moves every result by its proven bound toward the nearest rounding boundary
+before either sees it, the worst any conforming machine could do.
+
+A logged element is a *direction* entry (index, rounded up or not) when its bound is small
+against the target ULP, and a *value* entry (index, the target value) when it is not. Two
+honest results of one element are within `2e` of each other even against the adversary; a
+direction names the same target value on both machines only if both lie between the same two
+target neighbours, which holds for an in-band element when `e < gap / 8`, the gap being at
+least half its ULP. So elements with `16e ≥ ulp` — heavy cancellation, where the compute
+dtype's own error spans target ULPs — log the value itself. They are rare.
 """
 
 from __future__ import annotations
@@ -12,20 +23,41 @@ import numpy as np
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.engine.bounds import SAFETY, Bound
 from protocol.engine.precision import (
     PrecisionPolicy,
     band_candidates,
-    distance_to_boundary,
+    boundary_distance,
     rounded_up,
     step_toward,
+    target_ulp,
+    toward_boundary,
 )
 from protocol.errors import LogMismatchError, LogViolationError
 
 _EMPTY_INDEX = np.zeros(0, dtype=np.int64)
 _EMPTY_UP = np.zeros(0, dtype=bool)
+_EMPTY_VALUES = np.zeros(0, dtype=np.uint32)
+
+# An in-band element with WIDE * e >= its target ULP gets a value entry (module docstring).
+WIDE = 16
 
 
-def _site_values(ys: list[torch.Tensor]) -> torch.Tensor:
+def _value_bits(r: torch.Tensor, policy: PrecisionPolicy) -> np.ndarray:
+    """Target values as unsigned bit patterns (uint32), what a value entry stores."""
+    bits = r.view(policy.fmt["target_int"]).to(torch.int64)
+    return (bits & ((1 << (8 * r.element_size())) - 1)).cpu().numpy().astype(np.uint32)
+
+
+def _from_bits(bits: np.ndarray, policy: PrecisionPolicy) -> torch.Tensor:
+    """The target values of logged bit patterns (each < 2**bits of the target dtype)."""
+    width = torch.finfo(policy.target).bits
+    signed = bits.astype(np.int64)
+    signed = np.where(signed >= 1 << (width - 1), signed - (1 << width), signed)
+    return torch.from_numpy(signed).to(policy.fmt["target_int"]).view(policy.target)
+
+
+def site_values(ys: list[torch.Tensor]) -> torch.Tensor:
     """All of a site's values as one 1-D tensor in site order (a view for one contiguous y).
 
     One flat tensor per site turns a foreach op over many small parameters into one band test
@@ -34,6 +66,24 @@ def _site_values(ys: list[torch.Tensor]) -> torch.Tensor:
     if len(ys) == 1:
         return ys[0].reshape(-1)
     return torch.cat([y.reshape(-1) for y in ys])
+
+
+def site_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | None:
+    """The bounds of a site as one 1-D tensor aligned with `site_values`, or None if all are 0.
+
+    A rule may give a tensor broadcastable to its result (a per-row bound), a number for the
+    whole result, or None for zero.
+    """
+    if all(b is None for b in bounds):
+        return None
+    parts = []
+    for y, b in zip(ys, bounds, strict=True):
+        if isinstance(b, torch.Tensor):
+            parts.append(b.to(y.dtype).expand(y.shape).reshape(-1))
+        else:
+            parts.append(torch.full((y.numel(),), 0.0 if b is None else float(b), dtype=y.dtype,
+                                    device=y.device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -49,29 +99,42 @@ def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class SiteRecorder:
-    """Record mode: round every site to nearest-even and log the in-band decisions."""
+    """Record mode: round every site to nearest-even and log the in-band decisions.
+
+    `in_band` counts the logged elements: the trainer's freedom (SPEC §6), reported per step.
+    """
 
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
         self.sites: list[SiteLog] = []
         self.in_band = 0
 
-    def round_site(self, op: str, ys: list[torch.Tensor], ieee: bool = False) -> list[torch.Tensor]:
-        flat = _site_values(ys)
+    def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
+                   ) -> list[torch.Tensor]:
+        flat = site_values(ys)
         r = flat.to(self.policy.target)
-        tau = self.policy.tau_for(ieee)
-        indices, up = _EMPTY_INDEX, _EMPTY_UP
-        if tau > 0.0:  # with tau 0 nothing is closer than tau to a boundary
-            cand = band_candidates(flat, self.policy, tau)
+        e = site_bounds(ys, bounds)
+        site = SiteLog(flat.numel(), _EMPTY_INDEX, _EMPTY_UP)
+        if e is not None:
+            cand = band_candidates(flat, e, self.policy)
             if cand.numel():
-                rv = r[cand]
-                keep = torch.isfinite(rv)  # NaN, inf and overflow are not rounding sites
-                cand, rv = cand[keep], rv[keep]
-                indices = cand.cpu().numpy()
-                up = rounded_up(flat[cand], rv).cpu().numpy()
-        self.sites.append(SiteLog(flat.numel(), indices, up))
-        self.in_band += indices.size
+                site = self._log_band(flat.numel(), cand, flat[cand], r[cand],
+                                      e[cand].to(torch.float64))
+        self.sites.append(site)
+        self.in_band += site.indices.size + site.value_indices.size
         return _split(r, ys)
+
+    def _log_band(self, numel: int, cand: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor,
+                  ev: torch.Tensor) -> SiteLog:
+        """The site's entries among the candidates: those with δ ≤ 2e, as directions or values."""
+        keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
+        keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
+        cand, yv, rv, ev = cand[keep], yv[keep], rv[keep], ev[keep]
+        wide = WIDE * ev >= target_ulp(rv, self.policy)
+        narrow = ~wide
+        return SiteLog(numel, cand[narrow].cpu().numpy(),
+                       rounded_up(yv[narrow], rv[narrow]).cpu().numpy(),
+                       cand[wide].cpu().numpy(), _value_bits(rv[wide], self.policy))
 
     def log(self) -> RoundingLog:
         return RoundingLog(tuple(self.sites))
@@ -81,20 +144,24 @@ class SiteReplayer:
     """Replay mode: round to nearest-even except where the log says otherwise (SPEC §3.2).
 
     Checks, per site, that the log has a site here with the same element count (SPEC §3.3),
-    and that every logged element is really near a boundary (d < 2*tau), else the log is
-    invalid and `LogViolationError` names the site, op and element.
+    and that every logged element is one where honest machines could disagree: its bound is
+    not zero and its replayed value is within `4e'` of a boundary. Otherwise the log is invalid
+    and `LogViolationError` names the site, op and element.
     """
 
     def __init__(self, policy: PrecisionPolicy, log: RoundingLog, step: int | None = None) -> None:
         self.policy, self.log, self.step = policy, log, step
         self.position = 0
 
-    def round_site(self, op: str, ys: list[torch.Tensor], ieee: bool = False) -> list[torch.Tensor]:
+    def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
+                   ) -> list[torch.Tensor]:
         site = self._next_site(op, ys)
-        flat = _site_values(ys)
+        flat = site_values(ys)
         r = flat.to(self.policy.target)
-        if site.indices.size:
-            self._apply(op, flat, r, site, self.policy.tau_for(ieee))
+        if site.indices.size or site.value_indices.size:
+            e = site_bounds(ys, bounds)
+            self._apply_directions(op, flat, r, site, e)
+            self._apply_values(op, flat, r, site, e)
         return _split(r, ys)
 
     def finish(self) -> None:
@@ -119,19 +186,83 @@ class SiteReplayer:
         self.position += 1
         return site
 
-    def _apply(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
-               tau: float) -> None:
-        """Set the logged elements of `r` to the logged neighbours, after checking validity."""
+    def _apply_directions(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
+                          e: torch.Tensor | None) -> None:
+        """Set the direction entries of `r` to the logged neighbours, after checking validity."""
+        if not site.indices.size:
+            return
         idx = torch.from_numpy(site.indices).to(flat.device)
-        yv = flat[idx]
-        d = distance_to_boundary(yv, self.policy)
-        bad = (d >= 2 * tau).nonzero()
+        yv, rv = flat[idx], r[idx]
+        d = boundary_distance(yv, rv, self.policy)
+        ev = torch.zeros_like(d) if e is None else e[idx].to(torch.float64)
+        valid = (ev > 0) & (d <= 4 * ev) & torch.isfinite(yv) & torch.isfinite(rv)
+        bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
             raise LogViolationError(self.step, self.position - 1, op, int(site.indices[k]),
-                                    float(d[k]), tau)
+                                    float(d[k]), float(ev[k]))
         up = torch.from_numpy(site.up).to(flat.device)
-        r[idx] = step_toward(r[idx], yv, up, self.policy)
+        r[idx] = step_toward(rv, yv, up, self.policy)
+
+    def _apply_values(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
+                      e: torch.Tensor | None) -> None:
+        """Set the value entries of `r` to the logged values, after checking validity: an honest
+        value is the trainer's rounding of a result within `2e` of this one, so it lies within
+        one target ULP plus `2e` of the replayed value; more than one ULP plus `4e'` is a
+        violation, and so is a value entry where the bound is 0."""
+        if not site.value_indices.size:
+            return
+        idx = torch.from_numpy(site.value_indices).to(flat.device)
+        over = np.flatnonzero(site.values.astype(np.uint64) >> torch.finfo(self.policy.target).bits)
+        if over.size:
+            raise LogViolationError(self.step, self.position - 1, op,
+                                    int(site.value_indices[over[0]]), float("inf"), 0.0,
+                                    note=f"its logged bits do not fit {self.policy.target}")
+        v = _from_bits(site.values, self.policy).to(flat.device)
+        yv = flat[idx]
+        distance = (v.to(torch.float64) - yv.to(torch.float64)).abs()
+        ev = torch.zeros_like(distance) if e is None else e[idx].to(torch.float64)
+        valid = (ev > 0) & (distance <= target_ulp(v, self.policy) + 4 * ev) & \
+            torch.isfinite(v) & torch.isfinite(yv)
+        bad = (~valid).nonzero()
+        if bad.numel():
+            k = int(bad[0, 0])
+            raise LogViolationError(
+                self.step, self.position - 1, op, int(site.value_indices[k]), float(distance[k]),
+                float(ev[k]), note=f"its logged value {float(v[k]):.9g} is more than one target "
+                                   f"ULP plus 4e' from the replayed value")
+        r[idx] = v
 
     def _where(self) -> str:
         return f"step {self.step}: " if self.step is not None else ""
+
+
+class BoundAdversary:
+    """The worst hardware within the rules, as a rounder wrapper (profile `adversary`).
+
+    Every element is moved by its proven bound (`e / SAFETY`) toward its nearest rounding
+    boundary — across it where it is closer than that — before the wrapped recorder or replayer
+    rounds it. A conforming machine lands within `e / SAFETY` of the exact result; this one
+    lands up to twice that from it, always on the side that makes honest rounding hardest. An
+    honest log must still replay bit-exactly against it, in either role (SPEC §3.2).
+    """
+
+    def __init__(self, inner, policy: PrecisionPolicy) -> None:
+        self.inner, self.policy = inner, policy
+
+    def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
+                   ) -> list[torch.Tensor]:
+        moved = []
+        for y, b in zip(ys, bounds, strict=True):
+            if b is None:
+                moved.append(y)
+                continue
+            r = y.to(self.policy.target)
+            shift = toward_boundary(y, r, self.policy) * (b / SAFETY)
+            pushed = torch.where(torch.isfinite(y) & torch.isfinite(r), y + shift, y)
+            moved.append(pushed if y.is_contiguous() else
+                         torch.empty_like(y).copy_(pushed))
+        return self.inner.round_site(op, moved, bounds)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # log(), finish(), in_band... of the wrapped rounder

@@ -1,20 +1,34 @@
-"""Emulated hardware: re-ordered accumulation for matmuls, convolutions and sums.
+"""Emulated hardware: re-ordered accumulation for matmuls, convolutions, sums and means.
 
 Two GPUs (or a GPU and a CPU) give different bits mainly because their kernels sum products in
 different orders and blockings. `SplitK` reproduces that on one CPU: it splits the reduced
-dimension of each mm / addmm / bmm / convolution (forward and backward) / sum into chunks,
-reduces each chunk with the native kernel, and adds the partial results in a permuted order keyed
-by the profile's seed. The arithmetic is the op's own dtype, so in plain float32 training the
-divergence is as large as a different GPU's, while under ovt's wide compute it stays far below
-one target ULP and the rounding log absorbs it.
+dimension of each mm / addmm / bmm / convolution (forward and backward) / sum / mean into
+`chunks` pieces, reduces each piece with the native kernel, and combines the partial results in
+one of three orders (`ORDERS`), each the shape of a real kernel family:
+
+- "permuted": sequential adds in an order permuted by the profile's seed (a split-K GEMM whose
+  workers finish in an arbitrary but fixed order and accumulate into one buffer);
+- "pairwise": a balanced binary tree, (p0+p1)+(p2+p3), then those sums pairwise, an odd one
+  out carried up a level (the shape of a GPU's tree reduction across threads or blocks);
+- "reversed": sequential adds, last chunk first (a kernel that walks K downwards).
+
+The arithmetic is the op's own dtype, so in plain float32 training the divergence is as large
+as a different GPU's, while under ovt's wide compute it stays far below one target ULP and the
+rounding log absorbs it.
 
 Ops it does not know run natively; so does any op whose reduced dimension is too short to split.
+A chunk count larger than the reduced dimension gives one chunk per element.
+
+    >>> a, b = torch.ones(2, 6), torch.ones(6, 2)
+    >>> SplitK(seed=0, chunks=4, order="pairwise")(aten.mm.default, (a, b), {}).tolist()
+    [[6.0, 6.0], [6.0, 6.0]]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from math import prod
 from typing import Any
 
 import torch
@@ -24,9 +38,11 @@ from protocol.engine.rng import RandomStream
 
 aten = torch.ops.aten
 
+ORDERS = ("permuted", "pairwise", "reversed")
+
 
 @lru_cache(maxsize=256)
-def _order(seed: int, n: int) -> tuple[int, ...]:
+def _permutation(seed: int, n: int) -> tuple[int, ...]:
     return tuple(int(i) for i in RandomStream(seed, "splitk-order", n).permutation(n))
 
 
@@ -36,19 +52,56 @@ def _slices(length: int, chunks: int) -> list[slice]:
     return [slice(bounds[i], bounds[i + 1]) for i in range(n)]
 
 
-class SplitK:
-    """A `compute` function for `RoundingMode` (and the plain-float `ReorderMode`)."""
+def combine(parts: Sequence[Any], order: str, seed: int) -> Any:
+    """Add the partial results `parts` (at least one) in `order`, with `+` alone.
 
-    def __init__(self, seed: int, chunks: int = 3) -> None:
-        if chunks < 2:
-            raise ValueError("split-K needs at least two chunks")
-        self.seed, self.chunks = seed, chunks
+    Only `+` is used, so a test can pass symbolic values and read the tree back. Raises
+    ValueError for an order not in `ORDERS`.
+    """
+    if order == "permuted":
+        return _sequential([parts[i] for i in _permutation(seed, len(parts))])
+    if order == "reversed":
+        return _sequential(list(reversed(parts)))
+    if order == "pairwise":
+        level = list(parts)
+        while len(level) > 1:  # one tree level: neighbours paired, an odd last one carried up
+            paired = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+            level = paired + level[len(paired) * 2:]
+        return level[0]
+    raise ValueError(f"unknown split-K order {order!r}; choose one of {', '.join(ORDERS)}")
+
+
+def _sequential(parts: list[Any]) -> Any:
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+class SplitK:
+    """A `compute` function for `RoundingMode` (and the plain-float `ReorderMode`).
+
+    `seed` keys the "permuted" order (the other orders ignore it); `chunks` (>= 2) is how many
+    pieces the reduced dimension is cut into; `order` is one of `ORDERS`. Raises ValueError for
+    fewer than two chunks or an unknown order.
+    """
+
+    def __init__(self, seed: int, chunks: int = 3, order: str = "permuted") -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
+            raise ValueError(f"split-K needs an integer of at least two chunks, not {chunks!r}")
+        if order not in ORDERS:
+            raise ValueError(f"unknown split-K order {order!r}; choose one of {', '.join(ORDERS)}")
+        self.seed, self.chunks, self.order = seed, chunks, order
         self._handlers: dict[object, Callable[..., Any]] = {
             aten.mm.default: self._mm, aten.addmm.default: self._addmm,
             aten.bmm.default: self._bmm, aten.convolution.default: self._convolution,
             aten.convolution_backward.default: self._convolution_backward,
             aten.sum.dim_IntList: self._sum_dim, aten.sum.default: self._sum_all,
+            aten.mean.dim: self._mean_dim, aten.mean.default: self._mean_all,
         }
+
+    def __repr__(self) -> str:
+        return f"SplitK(seed={self.seed}, chunks={self.chunks}, order={self.order!r})"
 
     def __call__(self, func, args: tuple, kwargs: dict):
         handler = self._handlers.get(func)
@@ -56,17 +109,13 @@ class SplitK:
             return func(*args, **kwargs)
         return handler(func, *args, **kwargs)
 
-    def _add_permuted(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        order = _order(self.seed, len(parts))
-        total = parts[order[0]]
-        for i in order[1:]:
-            total = total + parts[i]
-        return total
+    def _combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return combine(parts, self.order, self.seed)
 
     def _mm(self, func, a, b):
         if a.shape[1] < 2:
             return func(a, b)
-        return self._add_permuted([a[:, s].mm(b[s, :]) for s in _slices(a.shape[1], self.chunks)])
+        return self._combine([a[:, s].mm(b[s, :]) for s in _slices(a.shape[1], self.chunks)])
 
     def _addmm(self, func, bias, a, b, *, beta=1, alpha=1):
         if a.shape[1] < 2:
@@ -78,7 +127,7 @@ class SplitK:
     def _bmm(self, func, a, b):
         if a.shape[2] < 2:
             return func(a, b)
-        return self._add_permuted(
+        return self._combine(
             [a[:, :, s].bmm(b[:, s, :]) for s in _slices(a.shape[2], self.chunks)])
 
     def _convolution(self, func, x, w, bias, stride, padding, dilation, transposed,
@@ -87,7 +136,7 @@ class SplitK:
             return func(x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
         parts = [func(x[:, s], w[:, s], None, stride, padding, dilation, False, output_padding, 1)
                  for s in _slices(x.shape[1], self.chunks)]
-        out = self._add_permuted(parts)
+        out = self._combine(parts)
         return out if bias is None else out + bias.view(1, -1, *([1] * (out.dim() - 2)))
 
     def _convolution_backward(self, func, grad_out, x, w, bias_sizes, stride, padding, dilation,
@@ -97,34 +146,47 @@ class SplitK:
             return func(grad_out, x, w, bias_sizes, *conv, output_mask)
         gi = gw = gb = None
         if output_mask[0]:  # grad_input: sum over output channels
-            gi = self._add_permuted([
+            gi = self._combine([
                 func(grad_out[:, s], x, w[s], None, *conv, [True, False, False])[0]
                 for s in _slices(w.shape[0], self.chunks)])
         if output_mask[1]:  # grad_weight: sum over the batch
-            gw = self._add_permuted([
+            gw = self._combine([
                 func(grad_out[s], x[s], w, None, *conv, [False, True, False])[1]
                 for s in _slices(x.shape[0], self.chunks)])
         if output_mask[2]:
             dims = [0, *range(2, grad_out.dim())]
-            gb = self._add_permuted(
+            gb = self._combine(
                 [grad_out[s].sum(dims) for s in _slices(x.shape[0], self.chunks)])
         return gi, gw, gb
 
     def _sum_dim(self, func, x, dim, keepdim=False, *, dtype=None):
-        dims = [d % x.dim() for d in dim] if dim else []
+        dims = [d % x.dim() for d in dim] if dim and x.dim() else []
         if not dims or x.shape[dims[0]] < 2:
             return func(x, dim, keepdim, dtype=dtype)
         parts = [x.narrow(dims[0], s.start, s.stop - s.start).sum(dims, keepdim=True, dtype=dtype)
                  for s in _slices(x.shape[dims[0]], self.chunks)]
-        total = self._add_permuted(parts)
+        total = self._combine(parts)
         return total if keepdim else total.squeeze(tuple(dims))
 
     def _sum_all(self, func, x, *, dtype=None):
         flat = x.reshape(-1)
         if flat.numel() < 2:
             return func(x, dtype=dtype)
-        return self._add_permuted([flat[s].sum(dtype=dtype)
-                                   for s in _slices(flat.numel(), self.chunks)])
+        return self._combine([flat[s].sum(dtype=dtype)
+                              for s in _slices(flat.numel(), self.chunks)])
+
+    def _mean_dim(self, func, x, dim, keepdim=False, *, dtype=None):
+        """The split sum over `dim`, then one division by the count (as ATen's CPU mean does)."""
+        dims = [d % x.dim() for d in dim] if dim and x.dim() else []
+        if not dims or x.shape[dims[0]] < 2 or not (dtype or x.dtype).is_floating_point:
+            return func(x, dim, keepdim, dtype=dtype)
+        total = self._sum_dim(aten.sum.dim_IntList, x, dims, keepdim, dtype=dtype)
+        return total / prod(x.shape[d] for d in set(dims))
+
+    def _mean_all(self, func, x, *, dtype=None):
+        if x.numel() < 2 or not (dtype or x.dtype).is_floating_point:
+            return func(x, dtype=dtype)
+        return self._sum_all(aten.sum.default, x, dtype=dtype) / x.numel()
 
 
 class ReorderMode(TorchDispatchMode):

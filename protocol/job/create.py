@@ -34,7 +34,7 @@ from protocol.codec.dtypes import DTYPES
 from protocol.codec.state import state_digest
 from protocol.commit.data import commit_dataset
 from protocol.engine.executor import Executor
-from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.precision import RULES_VERSION, PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.base import TrainingProgram
 from protocol.engine.programs.registry import load_program, parameter_count, program_source
@@ -44,7 +44,7 @@ from protocol.job.spec import JobSpec, count, typed
 DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a peer's spec may ask for (1 GiB f32)
 _JOB_KEYS = {"program", "preset", "steps", "seed", "init_seed", "checkpoint_interval",
              "commit_interval", "config", "precision"}
-_PRECISION_KEYS = {"compute", "target", "tau", "tau_ieee"}
+_PRECISION_KEYS = {"compute", "target", "rules"}
 
 
 def load_job_program(spec: JobSpec) -> TrainingProgram:
@@ -140,6 +140,6 @@ def _policy(section: dict) -> PrecisionPolicy:
         target = DTYPES[section.get("target", "float32")]
     except KeyError as err:
         raise ConfigError(f"unknown dtype {err.args[0]!r} in [precision]") from None
-    return PrecisionPolicy(compute, target, section.get("tau"), section.get("tau_ieee", 0.0))
+    return PrecisionPolicy(compute, target, section.get("rules", RULES_VERSION))
 
 

@@ -34,8 +34,6 @@ class JobSpec:
     protocol_version: int = field(default=PROTOCOL_VERSION)
 
     def to_body(self) -> dict:
-        tau = self.policy.tau
-        assert tau is not None  # PrecisionPolicy.__post_init__ replaces None with the default
         return {
             "protocol_version": self.protocol_version,
             "program": self.program,
@@ -47,7 +45,7 @@ class JobSpec:
             "seed": self.seed,
             "precision": {"compute": dtype_name(self.policy.compute),
                           "target": dtype_name(self.policy.target),
-                          "tau": float(tau), "tau_ieee": float(self.policy.tau_ieee)},
+                          "rules": self.policy.rules},
             "checkpoint_interval": self.checkpoint_interval,
             "commit_interval": self.commit_interval,
         }
@@ -83,8 +81,7 @@ class JobSpec:
                 h0=_hash32(body["h0"]), steps=count(body["steps"], 1),
                 seed=count(body["seed"], 0),
                 policy=PrecisionPolicy(DTYPES[prec["compute"]], DTYPES[prec["target"]],
-                                       typed(prec["tau"], float),
-                                       typed(prec["tau_ieee"], float)),
+                                       count(prec["rules"], 1)),
                 checkpoint_interval=count(body["checkpoint_interval"], 1),
                 commit_interval=count(body["commit_interval"], 1),
             )

@@ -25,9 +25,11 @@ from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train
 
 # What the arbiter finds re-executing each cheat's step: a trainer that trained on other data or
 # with another setting still serves the log it recorded, which does not fit the honest replay
-# (invalid-log); one whose log and state disagree otherwise replays to another state.
+# (invalid-log); one whose log and state disagree otherwise replays to another state. A doubled
+# learning rate changes only the update, whose elements lie far inside their certified bands, so
+# the recorded log still fits the honest replay and the state is what differs.
 TRAINING_CHEATS = {"relabel": "invalid-log", "swap-examples": "invalid-log",
-                   "skip-step": "invalid-log", "lr": "invalid-log", "log-invent": "invalid-log",
+                   "skip-step": "invalid-log", "lr": "wrong-state", "log-invent": "invalid-log",
                    "swap-checkpoint": "wrong-state", "log-flip": "wrong-state",
                    "log-drop": "wrong-state"}
 POSITIONS = (1, STEPS // 2 + 1, STEPS)

@@ -20,7 +20,7 @@ def test_bench_step_smoke(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert set(data["programs"]) == {"image-cnn", "char-transformer"}
+    assert set(data["programs"]) == {"image-cnn", "char-transformer", "token-lm"}
     for name, prog in data["programs"].items():
         for key in RATIOS:
             assert prog[key] > 0, (name, key)

@@ -1,7 +1,7 @@
 """Finding a training program from a reference string, and the source bytes a job spec hashes.
 
 A reference is one of
-- a built-in name: "image-cnn", "char-transformer";
+- a built-in name: "image-cnn", "char-transformer", "token-lm";
 - "package.module:function", imported with importlib;
 - "path/to/file.py:function", loaded from that file.
 
@@ -23,21 +23,24 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from protocol.engine.programs import char_transformer, image_cnn
+from protocol.engine.programs import char_transformer, image_cnn, token_lm
 from protocol.engine.programs.base import ProgramFactory, TrainingProgram
 from protocol.errors import ConfigError, OvtError, ProgramError
 
 BUILTIN: dict[str, ProgramFactory] = {
     image_cnn.NAME: image_cnn.build,
     char_transformer.NAME: char_transformer.build,
+    token_lm.NAME: token_lm.build,
 }
 _BUILTIN_MODULES: dict[str, ModuleType] = {
     image_cnn.NAME: image_cnn,
     char_transformer.NAME: char_transformer,
+    token_lm.NAME: token_lm,
 }
 _PARAMETER_COUNTS: dict[str, Callable[[Mapping[str, Any] | None], int]] = {
     image_cnn.NAME: image_cnn.parameter_count,
     char_transformer.NAME: char_transformer.parameter_count,
+    token_lm.NAME: token_lm.parameter_count,
 }
 
 

@@ -66,10 +66,11 @@ def test_help(usage_runs):
 def test_replay_check_help_names_the_profiles(usage_runs):
     rc, out, err = usage_runs["rc-help"]
     assert rc == 0 and not err
-    for name in PRESETS:
-        assert name in out
+    assert f"Profiles (presets): {', '.join(PRESETS)};" in out  # all of them, in order
     for option in ("--trainer-profile", "--auditor-profile", "--mode", "--policy", "--json"):
         assert option in out
+    assert "tau" not in out
+    assert "certified error bound" in out and "as a fraction of its bound" in out
 
 
 @pytest.mark.parametrize("name", list(USAGE_ERRORS))
@@ -99,7 +100,6 @@ def test_argparse_error(usage_runs):
 @pytest.mark.parametrize("argv, message", [
     (["replay-check", "--policy", "float16->float32"], "bad precision policy"),
     (["replay-check", "--policy", "float32->float64"], "unsupported precision policy"),
-    (["replay-check", "--tau", "0.5"], "tau must be in (0, 0.25]"),
     (["replay-check", "--steps", "-3"], "--steps must be at least 1"),
     (["replay-check", "--trainer-profile", "memory=fast"], "bad value 'fast' for 'memory'"),
     (["replay-check", "--set", "=1"], "--set expects KEY=VALUE"),
@@ -117,17 +117,37 @@ def test_more_usage_errors_in_process(capsys, argv, message):
     assert captured.err.startswith("ovt: error: ") and message in captured.err
 
 
+def test_tau_is_gone(capsys):
+    """SPEC §3.1: the fixed threshold τ is superseded by certified bands; the option is no more."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay-check", "--tau", "0.5"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --tau 0.5" in capsys.readouterr().err
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "replay-check" in capsys.readouterr().out
 
 
 def test_text_report_in_process(capsys, tmp_path):
-    rc = main(["replay-check", *TINY_CNN, *PAIR, "--steps", "1", "--probe-steps", "none",
+    rc = main(["replay-check", *TINY_CNN, *PAIR, "--steps", "1", "--probe-steps", "1",
                "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "ovt replay-check: image-cnn (preset test), 1 steps, mode ovt"
+    assert lines[1] == "  policy float64->float32, certified bands (bound rules v1)"
+    assert lines[2] == ("  trainer profile cpu-2t (cpu threads=2); auditor profile emulated-gpu "
+                        "(cpu threads=2 splitk=1 chunks=3 order=permuted)")
     assert "result: BIT-EXACT — all 1 state hashes equal" in out
+    (log_line,) = [line for line in lines if line.startswith("log: median ")]
+    assert "entries of" in log_line and "the trainer's freedom" in log_line
+    assert ("divergence between the profiles, per op (probed steps 1), as a fraction of the "
+            "certified bound e (conforming hardware: at most 1):") in lines
+    (worst,) = [line for line in lines if line.startswith("  worst: ")]
+    assert worst.endswith(" of e") and float(worst.split()[1]) <= 1
+    assert "UNSOUND" not in out and "tau" not in out and "ulp" not in out
     assert (tmp_path / "trainer" / "s0.ovts").is_file()
     assert (tmp_path / "trainer" / "logs" / "0000001.ovtl").is_file()
 
@@ -141,6 +161,8 @@ def json_runs():
         "ovt": start("replay-check", *TINY_CNN, *PAIR, "--steps", "3", "--json"),
         "plain": start("replay-check", *TINY_CNN, *PAIR, "--steps", "3", "--json", "--mode",
                        "plain"),
+        "adversary": start("replay-check", *TINY_CNN, "--trainer-profile", "cpu-2t",
+                           "--auditor-profile", "adversary", "--steps", "2", "--json"),
     }
     return {name: finish(proc) for name, proc in procs.items()}
 
@@ -153,7 +175,9 @@ def test_replay_check_json_is_bit_exact(json_runs):
     assert report["bit_exact"] is True and report["first_divergent_step"] is None
     assert report["steps_compared"] == 3 and report["mode"] == "ovt"
     assert report["trainer_profile"]["name"] == "cpu-2t"
-    assert report["auditor_profile"]["describe"] == "cpu threads=2 splitk=1"
+    assert report["auditor_profile"]["describe"] == "cpu threads=2 splitk=1 chunks=3 order=permuted"
+    assert report["policy"] == "float64->float32" and report["bound_rules"] == 1
+    assert "tau" not in report
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     for s in report["steps"]:
         assert s["equal"] is True and s["trainer_hash"] == s["auditor_hash"]
@@ -162,8 +186,33 @@ def test_replay_check_json_is_bit_exact(json_runs):
     assert len({s["trainer_hash"] for s in report["steps"]}) == 3
     divergence = report["divergence"]
     assert divergence, "probe step 1 measures per-op divergence"
-    assert all(d["max_ulps"] < report["tau"] for d in divergence.values() if not d["ieee"])
-    assert any(d["max_ulps"] > 0 for d in divergence.values())  # the profiles really differ
+    assert set(next(iter(divergence.values()))) == {
+        "sites", "elements", "differing", "max_fraction_of_bound", "zero_bound_differing"}
+    # conforming hardware stays within its certified bounds, and ops with bound 0 never differ
+    assert all(0 <= d["max_fraction_of_bound"] <= 1 for d in divergence.values())
+    assert all(d["zero_bound_differing"] == 0 for d in divergence.values())
+    differing = [op for op, d in divergence.items() if d["differing"] > 0]
+    assert differing  # the profiles really differ ...
+    assert all(divergence[op]["max_fraction_of_bound"] > 0 for op in differing)  # ... within e
+    assert "aten.convolution.default" in differing
+
+
+@pytest.mark.slow
+def test_replay_check_against_the_bound_adversary(json_runs):
+    """The adversary moves every result by e/2 toward its boundary: bit-exact all the same, and
+    the probe sees that move — half the bound where e spans many compute ULPs (a convolution),
+    up to half a compute ULP more where it spans few, never more than e — and nothing at all
+    where the bound is zero."""
+    rc, out, err = json_runs["adversary"]
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["bit_exact"] is True and report["steps_compared"] == 2
+    assert report["auditor_profile"]["describe"] == "cpu threads=2 adversary"
+    divergence = report["divergence"]
+    assert all(d["zero_bound_differing"] == 0 for d in divergence.values())
+    assert all(d["max_fraction_of_bound"] <= 1 for d in divergence.values())
+    conv = divergence["aten.convolution.default"]
+    assert conv["differing"] > 0 and abs(conv["max_fraction_of_bound"] - 0.5) < 0.01
 
 
 @pytest.mark.slow

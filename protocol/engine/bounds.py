@@ -1,0 +1,493 @@
+"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 1).
+
+For each element `y` of a rounding site, the op's rule gives `e ≥ 0` such that *every*
+conforming implementation of the op on the same (target-representable) inputs — any summation
+order or blocking, FMA or not, any thread count, CPU or GPU — lands within `e / 2` of the exact
+result. `e` is twice that proven bound (`SAFETY`): the factor covers the floating-point error of
+computing the bound itself, so two parties' `e` for one element agree to far better than 2x,
+and `e / 2` is what the bound adversary (profile `adversary`) may move a result by.
+Two honest results are then within `e` of each other, and the rounding rule (SPEC §3.2) logs the
+elements with `δ ≤ 2e`. The proofs assume IEEE-754 arithmetic in the compute dtype with
+round-to-nearest: no flush-to-zero, no reduced-precision or emulated-FP64 GEMM modes (the
+executor pins TF32 and reduced-precision reductions off).
+
+The rules:
+- **zero** (`e = 0`): one correctly rounded IEEE operation — add, subtract, multiply — on
+  target-representable inputs. IEEE-754 §5.4.1 fixes its result bit for bit. (Not square root:
+  torch's CPU kernel misrounds it, see `_MAX_ULPS`.)
+- **relative** (`e = 4·n·u·|y|`, u the compute unit roundoff): functions whose documented
+  maximum error is `n` ULPs of their own result, `n` the larger of the CPU library's (glibc
+  libm, whose x86-64 error table is the bound for SLEEF's `u10` kernels too) and the CUDA Math
+  API's double-precision table (CUDA C Programming Guide, "Mathematical Functions", Table 13).
+  One ULP of `y` is at most `2u·|y|`, so `n` ULPs is at most `e / 2`.
+- **reductions** (`e = 2·γ_K·S`, `γ_K = K·u / (1 − K·u)`): a sum of `K` terms computed in any
+  order or blocking, with or without FMA, is within `γ_K·Σ|terms|` of the exact sum (Higham,
+  *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §3.1 and Lemma 3.1; §3.5 for
+  inner products). `S` over-estimates `Σ|terms|` cheaply: by Cauchy–Schwarz (`‖a_i‖·‖b_j‖`)
+  for the matmul family and convolutions, else by the same op on `|inputs|` (one extra pass).
+- **own rules** for a few fused elementwise ops (axpy-style add, addcmul, addcdiv, lerp),
+  each a short rounding-error sum in the docstring.
+
+Every bound also carries an absolute floor of `K` (or `n`) compute-dtype subnormal units, for
+results that underflow. Ops without a rule are decomposed into ops with one
+(`protocol.engine.decompositions`) or refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.engine.precision import PrecisionPolicy
+
+SAFETY = 2.0
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Bound = torch.Tensor | float | None  # None: e = 0 (the op is correctly rounded)
+RuleFn = Callable[["BoundContext", torch._ops.OpOverload, tuple, dict, list[torch.Tensor]],
+                  list[Bound]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A bound rule. `reads_inputs`: it needs the op's inputs as they were before the op ran
+    (so an in-place op's written arguments are copied first); rules on `y` alone do not."""
+
+    name: str
+    fn: RuleFn
+    reads_inputs: bool = True
+
+
+class BoundContext:
+    """The compute dtype's constants a rule needs."""
+
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        self.policy = policy
+        self.u = policy.unit_roundoff
+        self.tiny = policy.tiny
+        self.smallest_normal = float(torch.finfo(policy.compute).smallest_normal)
+
+    def gamma(self, k: int) -> float:
+        """γ_K = K·u / (1 − K·u) (Higham, §3.1)."""
+        ku = k * self.u
+        if ku >= 0.5:
+            raise ValueError(f"a reduction of {k} terms is beyond the compute dtype's bound")
+        return ku / (1.0 - ku)
+
+    def sum_bound(self, k: int, s: torch.Tensor | float) -> torch.Tensor | float:
+        """e for a K-term sum whose Σ|terms| is at most `s`."""
+        return SAFETY * self.gamma(k) * s + SAFETY * k * self.tiny
+
+
+def bounds_for(ctx: BoundContext, rule: Rule, func: torch._ops.OpOverload, args: tuple,
+               kwargs: dict, ys: list[torch.Tensor]) -> list[Bound]:
+    """The bounds of a site's values `ys` (outputs, then written arguments), one per tensor."""
+    out = rule.fn(ctx, func, args, kwargs, ys)
+    if len(out) != len(ys):  # a rule that does not fit its op: a bug here, not in the program
+        raise AssertionError(f"bound rule {rule.name} gave {len(out)} bounds for {len(ys)} "
+                             f"results of {func}")
+    return out
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _arg(args: tuple, kwargs: dict, position: int, name: str, default):
+    if position < len(args):
+        return args[position]
+    return kwargs.get(name, default)
+
+
+def _abs(value):
+    """|value| for a floating tensor or a float; anything else (dims, indices, sizes) as is."""
+    if isinstance(value, torch.Tensor):
+        return value.abs() if value.is_floating_point() else value
+    if isinstance(value, float):
+        return abs(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_abs(v) for v in value)
+    return value
+
+
+def _abs_keyword(value):
+    """Keyword-only arguments are scalings (alpha, value), flags or dtypes: |numbers|."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return abs(value)
+    return _abs(value)
+
+
+def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, dim=dim)
+
+
+def _mag(value) -> torch.Tensor | float:
+    return value.abs() if isinstance(value, torch.Tensor) else abs(float(value))
+
+
+# -- zero and relative -------------------------------------------------------------------------
+
+def _zero(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """IEEE-754 §5.4.1: add, subtract and multiply are correctly rounded, so on the same inputs
+    every conforming machine returns the same compute-dtype bits: e = 0. (Square root is too in
+    IEEE-754, but torch's CPU float64 sqrt is not: measured 0.53 ULP, so it has a relative rule.)
+    """
+    return [None] * len(ys)
+
+
+def _relative(max_ulps: float, floor_normals: float = 0.0) -> RuleFn:
+    """e = 4·n·u·|y| + 2·n·tiny (+ 2·floor_normals·smallest normal): n ULPs of y are at most
+    n·2u·|y|, and e is twice that; `tiny` units cover underflow to subnormals, and the normal
+    floor a kernel whose intermediate overflows where the exact result is subnormal."""
+    def rule(ctx, func, args, kwargs, ys) -> list[Bound]:
+        c = 4.0 * max_ulps * ctx.u
+        floor = 2.0 * max_ulps * ctx.tiny + 2.0 * floor_normals * ctx.smallest_normal
+        return [y.abs() * c + floor for y in ys]
+    return rule
+
+
+# Documented maximum errors in ULPs of the result, double precision: the larger of glibc's
+# libm (x86-64 libm-test-ulps; SLEEF's u10 kernels that ATen vectorises with are within 1.0)
+# and the CUDA Math API (Programming Guide, double-precision table). Composite kernels of
+# ATen count their own roundings: sigmoid = 1/(1+exp(-x)) is exp (1) + add (0.5) + divide (0.5,
+# or a reciprocal and a multiply: 1) <= 3; div on CUDA may be a reciprocal times a multiply
+# (<= 1); torch's rsqrt on the CPU is 1/sqrt (<= 1.5), CUDA's rsqrt 1; torch's CPU sqrt is not
+# correctly rounded (measured 0.53 ULP on float32 inputs: test_bounds), so it gets 1.
+_MAX_ULPS = {
+    "sqrt": 1,
+    "exp": 1, "exp2": 1, "expm1": 1, "log": 1, "log1p": 1, "log2": 2, "log10": 2,
+    "tanh": 2, "sigmoid": 3, "erf": 2, "erfc": 5, "rsqrt": 2, "reciprocal": 1, "div": 1,
+    "pow": 2, "sin": 2, "cos": 2, "tan": 2, "asin": 2, "acos": 2, "atan": 2, "sinh": 2,
+    "cosh": 2, "asinh": 2, "acosh": 2, "atanh": 2, "silu": 3,
+}
+
+# Absolute floors in smallest normals: 1/(1 + exp(-x)) returns 0 where exp(-x) overflows
+# (x < -709.78 in float64, -88.7 in float32) while the exact sigmoid is a subnormal below one
+# smallest normal; silu = x·sigmoid(x) there is below |x| <= 2**10 of them.
+_FLOOR_NORMALS = {"sigmoid": 1.0, "silu": 2.0**10}
+
+
+# -- own elementwise rules ---------------------------------------------------------------------
+
+def _axpy(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """add/sub(a, b, alpha) = a ± alpha·b, rsub(a, b, alpha) = b − alpha·a. With alpha = 1 it is
+    one IEEE operation (e = 0). Otherwise alpha·b and the sum are two roundings, or one FMA:
+    |error| <= γ_2·(|a| + |alpha·b|) (Higham, Lemma 3.1)."""
+    alpha = _arg(args, kwargs, 2, "alpha", 1)
+    if alpha == 1:
+        return [None] * len(ys)
+    a, b = args[0], args[1]
+    if func.overloadpacket.__name__.startswith("rsub"):
+        a, b = b, a
+    return [ctx.sum_bound(2, _mag(a) + abs(float(alpha)) * _mag(b))]
+
+
+def _addcmul(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """addcmul(s, t1, t2, value) = s + value·t1·t2: three roundings (two products and the sum, or
+    fewer with FMA): |error| <= γ_3·(|s| + |value·t1·t2|)."""
+    s, t1, t2 = args[0], args[1], args[2]
+    value = _arg(args, kwargs, 3, "value", 1)
+    return [ctx.sum_bound(3, s.abs() + _mag(value) * (t1 * t2).abs())]
+
+
+def _addcdiv(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """addcdiv(s, t1, t2, value) = s + value·t1/t2: a division (or a reciprocal and a multiply),
+    a product and a sum, at most four roundings: |error| <= γ_4·(|s| + |value·t1/t2|)."""
+    s, t1, t2 = args[0], args[1], args[2]
+    value = _arg(args, kwargs, 3, "value", 1)
+    return [ctx.sum_bound(4, s.abs() + _mag(value) * (t1 / t2).abs())]
+
+
+def _lerp(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """lerp(s, end, w): ATen computes s + w·(end − s) for |w| < 0.5, else end − (end − s)·(1 − w)
+    (CPU and CUDA alike). Each branch is a + b·c with |b| <= |s| + |end| and c in {w, 1 − w},
+    four roundings at most: |error| <= γ_4·(|s| + |end|)·(1 + |w| + |1 − w|)."""
+    s, end, w = args[0], args[1], args[2]
+    weight = (1.0 + w.abs() + (1.0 - w).abs()) if isinstance(w, torch.Tensor) else \
+        1.0 + abs(float(w)) + abs(1.0 - float(w))
+    return [ctx.sum_bound(4, (s.abs() + end.abs()) * weight)]
+
+
+# -- reductions --------------------------------------------------------------------------------
+
+def _terms_of_output(x: torch.Tensor, y: torch.Tensor) -> int:
+    return x.numel() // max(y.numel(), 1)
+
+
+def _linear(count: Callable[[tuple, dict, torch.Tensor], int]) -> RuleFn:
+    """A sum of K terms that is linear in each input and monotone in their magnitudes: the same
+    op on |inputs| gives Σ|terms| exactly (up to its own rounding, covered by SAFETY)."""
+    def rule(ctx, func, args, kwargs, ys) -> list[Bound]:
+        s = func(*_abs(args), **{k: _abs_keyword(v) for k, v in kwargs.items()})
+        s = s[0] if isinstance(s, (tuple, list)) else s
+        return [ctx.sum_bound(count(args, kwargs, ys[0]), s)]
+    return rule
+
+
+def _sum_count(args, kwargs, y) -> int:
+    return _terms_of_output(args[0], y)
+
+
+def _mean_count(args, kwargs, y) -> int:
+    return _terms_of_output(args[0], y) + 1  # the division by the count
+
+
+def _cumsum_count(args, kwargs, y) -> int:
+    x = args[0]
+    return x.shape[args[1]] if x.dim() else 1
+
+
+def _embedding_backward_count(args, kwargs, y) -> int:
+    scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
+    return args[1].numel() + (1 if scale else 0)
+
+
+def _source_count(position: int, name: str, extra: int) -> Callable[[tuple, dict, torch.Tensor],
+                                                                    int]:
+    def count(args, kwargs, y) -> int:
+        return _arg(args, kwargs, position, name, None).numel() + extra
+    return count
+
+
+def _window(kernel: Sequence[int]) -> int:
+    """Elements of a pooling window; a one-number kernel is a cube (over-estimated as 3-D)."""
+    return math.prod(kernel) if len(kernel) > 1 else kernel[0] ** 3
+
+
+def _pool_count(args, kwargs, y) -> int:
+    return _window(args[1]) + 1  # the window's sum and the division
+
+
+def _adaptive_pool_count(args, kwargs, y) -> int:
+    x = args[0]
+    return math.prod(x.shape[-2:]) + 1
+
+
+def _mm(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """mm(a, b): C_ij is a K-term inner product; Σ_k |a_ik·b_kj| <= ‖a_i‖·‖b_j‖ (Cauchy–Schwarz),
+    an outer product of norms: O(M·K + K·N + M·N) work against the GEMM's O(M·K·N)."""
+    a, b = args[0], args[1]
+    return [ctx.sum_bound(a.shape[1], torch.outer(_norms(a, 1), _norms(b, 0)))]
+
+
+def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """addmm(c, a, b, beta, alpha) = beta·c + alpha·(a·b): K products, K+1 additions and two
+    scalings: γ_{K+2}·(|beta·c| + |alpha|·‖a_i‖‖b_j‖)."""
+    c, a, b = args[0], args[1], args[2]
+    beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
+    s = abs(float(alpha)) * torch.outer(_norms(a, 1), _norms(b, 0))
+    if beta != 0:
+        s = s + abs(float(beta)) * c.abs()
+    return [ctx.sum_bound(a.shape[1] + 2, s)]
+
+
+def _bmm(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """bmm: mm per batch (Cauchy–Schwarz per batch, row and column)."""
+    a, b = args[0], args[1]
+    return [ctx.sum_bound(a.shape[2], _norms(a, 2).unsqueeze(2) * _norms(b, 1).unsqueeze(1))]
+
+
+def _baddbmm(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """baddbmm(c, a, b, beta, alpha): addmm per batch."""
+    c, a, b = args[0], args[1], args[2]
+    beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
+    s = abs(float(alpha)) * (_norms(a, 2).unsqueeze(2) * _norms(b, 1).unsqueeze(1))
+    if beta != 0:
+        s = s + abs(float(beta)) * c.abs()
+    return [ctx.sum_bound(a.shape[2] + 2, s)]
+
+
+def _mv(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """mv(a, v): ‖a_i‖·‖v‖."""
+    a, v = args[0], args[1]
+    return [ctx.sum_bound(a.shape[1], _norms(a, 1) * _norms(v, 0))]
+
+
+def _addmv(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """addmv(c, a, v, beta, alpha) = beta·c + alpha·(a·v): as addmm."""
+    c, a, v = args[0], args[1], args[2]
+    beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
+    s = abs(float(alpha)) * _norms(a, 1) * _norms(v, 0)
+    if beta != 0:
+        s = s + abs(float(beta)) * c.abs()
+    return [ctx.sum_bound(a.shape[1] + 2, s)]
+
+
+def _dot(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """dot(a, b): ‖a‖·‖b‖."""
+    a, b = args[0], args[1]
+    return [ctx.sum_bound(a.numel(), _norms(a, 0) * _norms(b, 0))]
+
+
+def _per_sample(x: torch.Tensor) -> torch.Tensor:
+    """‖x[n]‖ over everything but the batch dimension."""
+    return _norms(x.reshape(x.shape[0], -1), 1)
+
+
+def _per_channel(x: torch.Tensor) -> torch.Tensor:
+    """‖x[:, c]‖ over everything but the channel dimension."""
+    return _norms(x.transpose(0, 1).reshape(x.shape[1], -1), 1)
+
+
+def _spread(e: torch.Tensor | float, dims: int) -> torch.Tensor | float:
+    """A (rows, cols) bound reshaped to broadcast over `dims` trailing spatial dimensions."""
+    return e.reshape(*e.shape, *([1] * dims)) if isinstance(e, torch.Tensor) else e
+
+
+def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """convolution(x, w, bias, ...): out[n, o, p] sums products of distinct elements of x[n] with
+    distinct elements of the filter of channel o, so by Cauchy–Schwarz Σ|terms| <=
+    ‖x[n]‖·‖filter_o‖, whatever the stride, padding (zeros add nothing), dilation or groups
+    (a group sees a subset of x[n]). K = in-channels per group × kernel size, plus the bias."""
+    x, w, bias = args[0], args[1], args[2]
+    transposed, groups = bool(args[6]), int(args[8])
+    kernel = math.prod(w.shape[2:])
+    if transposed:  # w is (C_in, C_out / groups, *k): output channel o uses w[:, o % (C_out/g)]
+        filters = _per_channel(w).repeat(groups)
+        k = w.shape[0] // groups * kernel
+    else:  # w is (C_out, C_in / groups, *k)
+        filters = _per_sample(w)
+        k = w.shape[1] * kernel
+    s = torch.outer(_per_sample(x), filters)
+    if bias is not None:
+        s, k = s + bias.abs(), k + 1
+    return [_spread(ctx.sum_bound(k, s), ys[0].dim() - 2)]
+
+
+def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """convolution_backward: each gradient is again a sum of products of distinct elements.
+    - grad_input[n, c]: of grad_out[n] with the weights reading channel c: ‖g[n]‖·‖w_c‖;
+    - grad_weight[o, c]: of grad_out[:, o] with input channel c (of o's group): ‖g_o‖·‖x_c‖;
+    - grad_bias[o]: a plain sum of grad_out[:, o], bounded by the sum of its magnitudes."""
+    g, x, w = args[0], args[1], args[2]
+    transposed, groups, mask = bool(args[7]), int(args[9]), args[10]
+    kernel, spatial = math.prod(w.shape[2:]), x.dim() - 2
+    out: list[Bound] = []
+    if mask[0]:
+        if transposed:  # forward used w (C_in, C_out/g, *k): grad_input[:, i] reads w[i]
+            w_c, k = _per_sample(w), w.shape[1] * kernel
+        else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o
+            w_c, k = _per_channel(w).repeat(groups), w.shape[0] // groups * kernel
+        out.append(_spread(ctx.sum_bound(k, torch.outer(_per_sample(g), w_c)), spatial))
+    if mask[1]:
+        g_c, x_c = _per_channel(g), _per_channel(x)
+        if transposed:  # grad_weight (C_in, C_out/g): row i pairs x_i with g of i's group
+            rows, cols = x_c, g_c.reshape(groups, -1)
+            k = x.shape[0] * math.prod(x.shape[2:])
+        else:  # grad_weight (C_out, C_in/g): row o pairs g_o with x of o's group
+            rows, cols = g_c, x_c.reshape(groups, -1)
+            k = g.shape[0] * math.prod(g.shape[2:])
+        per_group = rows.shape[0] // groups
+        cols = cols.repeat_interleave(per_group, dim=0)  # (rows, cols per group)
+        out.append(_spread(ctx.sum_bound(k, rows.unsqueeze(1) * cols), spatial))
+    if mask[2]:
+        dims = [0, *range(2, g.dim())]
+        out.append(ctx.sum_bound(g.numel() // g.shape[1], g.abs().sum(dims)))
+    return out
+
+
+# -- factories (ops without floating inputs that make floats) ----------------------------------
+
+def _arange(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """arange: y_i = start + i·step, a product and a sum: γ_2·(|start| + |i·step|), and
+    |i·step| <= |start| + |y_i|."""
+    start = float(args[0]) if len(args) > 1 else 0.0
+    return [ctx.sum_bound(2, 2.0 * abs(start) + ys[0].abs())]
+
+
+def _linspace(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """linspace: step = (end − start)/(steps − 1), then start + i·step (or end − j·step for the
+    upper half): four roundings on terms below 2·(|start| + |end|)."""
+    start, end = (float(v) for v in args[:2])
+    return [ctx.sum_bound(4, 2.0 * (abs(start) + abs(end)))]
+
+
+# -- foreach -----------------------------------------------------------------------------------
+
+def _foreach(inner: RuleFn) -> RuleFn:
+    """A _foreach_ op is its per-tensor op on each list element; so is its bound. List
+    arguments are taken element-wise, anything else (a scalar, one tensor) as it is."""
+    def rule(ctx, func, args, kwargs, ys) -> list[Bound]:
+        if func._overloadname == "Tensor" and len(args) > 3:  # addcmul/addcdiv: one per tensor
+            args = (*args[:3], args[3].tolist(), *args[4:])
+        out: list[Bound] = []
+        for i, y in enumerate(ys):
+            pick = tuple(a[i] if isinstance(a, (list, tuple)) else a for a in args)
+            out.extend(inner(ctx, func, pick, kwargs, [y]))
+        return out
+    return rule
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+def _table() -> dict[str, Rule]:
+    table: dict[str, Rule] = {}
+
+    def add(names: Sequence[str], rule: Rule, foreach: bool = False) -> None:
+        for name in names:
+            for variant in (name, name + "_"):
+                table[variant] = rule
+                if foreach:
+                    table["_foreach_" + variant] = Rule(rule.name, _foreach(rule.fn),
+                                                        rule.reads_inputs)
+
+    add(["mul"], Rule("zero", _zero, reads_inputs=False), foreach=True)
+    add(["add", "sub", "rsub"], Rule("axpy", _axpy), foreach=True)
+    for name, ulps in _MAX_ULPS.items():
+        add([name], Rule(f"relative({ulps} ulp)", _relative(ulps, _FLOOR_NORMALS.get(name, 0.0)),
+                         reads_inputs=False), foreach=True)
+    add(["addcmul"], Rule("addcmul", _addcmul), foreach=True)
+    add(["addcdiv"], Rule("addcdiv", _addcdiv), foreach=True)
+    add(["lerp"], Rule("lerp", _lerp), foreach=True)
+    add(["sum"], Rule("sum", _linear(_sum_count)))
+    add(["mean"], Rule("mean", _linear(_mean_count)))
+    add(["cumsum"], Rule("cumsum", _linear(_cumsum_count)))
+    add(["embedding_dense_backward"],
+        Rule("embedding-backward", _linear(_embedding_backward_count)))
+    add(["index_add"], Rule("index-add", _linear(_source_count(3, "source", 2))))
+    add(["scatter_add"], Rule("scatter-add", _linear(_source_count(3, "src", 1))))
+    add(["index_put"], Rule("index-put-accumulate", _linear(_source_count(2, "values", 1))))
+    add(["avg_pool1d", "avg_pool2d", "avg_pool3d"], Rule("avg-pool", _linear(_pool_count)))
+    add(["_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward"],
+        Rule("adaptive-avg-pool", _linear(_adaptive_pool_count)))
+    add(["mm"], Rule("mm", _mm))
+    add(["addmm"], Rule("addmm", _addmm))
+    add(["bmm"], Rule("bmm", _bmm))
+    add(["baddbmm"], Rule("baddbmm", _baddbmm))
+    add(["mv"], Rule("mv", _mv))
+    add(["addmv"], Rule("addmv", _addmv))
+    add(["dot", "vdot"], Rule("dot", _dot))
+    add(["convolution"], Rule("convolution", _convolution))
+    add(["convolution_backward"], Rule("convolution-backward", _convolution_backward))
+    add(["arange"], Rule("arange", _arange, reads_inputs=False))
+    add(["linspace"], Rule("linspace", _linspace, reads_inputs=False))
+    return table
+
+
+_RULES = _table()
+_ZERO = _RULES["mul"]
+
+# prims reach the interceptor only from decompositions; the few used there have rules.
+_PRIMS = {prims.sum.default: _RULES["sum"], prims.div.default: _RULES["div"]}
+
+# avg_pool backward: each input gradient sums the shares of the windows containing it.
+_RULES["avg_pool2d_backward"] = Rule(
+    "avg-pool-backward", _linear(lambda args, kwargs, y: _window(args[2]) + 1))
+
+
+def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Rule | None:
+    """The bound rule of one op call, or None (then it is decomposed or refused)."""
+    if func in _PRIMS:
+        return _PRIMS[func]
+    name = func.overloadpacket.__name__
+    rule = _RULES.get(name)
+    if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
+        return _ZERO  # one IEEE add or subtract: nothing to read
+    if name in ("index_put", "index_put_") and not _arg(args, kwargs, 3, "accumulate", False):
+        return None  # index_put without accumulate is exact (optable)
+    if name in ("div", "div_") and _arg(args, kwargs, 2, "rounding_mode", None) is not None:
+        return None  # floor/trunc division: no rule (a floor amplifies any error)
+    return rule

@@ -1,0 +1,1169 @@
+"""protocol.engine.bounds: every rule against an exact reference, adversarially (SPEC §3.2.1).
+
+A rule gives, per result element, `e` such that every conforming implementation of the op lands
+within `e / 2` of the exact result (`e` carries the safety factor SAFETY = 2). Here each rule is
+applied as the interceptor applies it (`rule_of`, then `bounds_for` on the op's float64 inputs,
+which hold float32-representable values, and the implementation's own float64 results), and
+`|y_impl − y_exact| <= e / 2` is asserted for every element, decided exactly:
+
+- reductions (sum, mean, cumsum, the matmul family, convolution forward and backward,
+  embedding_dense_backward, index_add): the exact result is a sum of exact float64 products,
+  decided with `math.fsum` and, near the bound, in integers (`exact_sums`);
+- library functions (exp, log, ..., pow, div): the exact value is mpmath's at 200 bits, and the
+  comparison is made in mpmath;
+- the own elementwise rules (alpha-scaled add/sub, addcmul, addcdiv, lerp) and the zero rule:
+  rationals (`fractions.Fraction`), exact.
+
+The implementations ("machines") are the native float64 kernels with one and two threads (and,
+elementwise, on strided views: ATen's scalar loop instead of its SLEEF-vectorised one), every
+SplitK configuration the engine emulates other hardware with, numpy and Python's math module,
+and, for reductions, plain sequential summation in several orders (given, reversed, by
+decreasing and increasing magnitude, shuffled): each a conforming implementation. Where CUDA
+is present the GPU kernels join them.
+
+Two rule gaps found here are strict xfails (they pass once bounds.py covers them): sigmoid and
+silu where exp(−x) overflows (the exact result is a float64 subnormal the kernels flush to 0),
+and torch's CPU float64 sqrt, which on this build (MKL) is faithful, not correctly rounded, yet
+has the zero rule.
+
+Tightness figures (|y_impl − y_exact| / (e / 2) per op family) print at the end of the module
+with `pytest -s`. The huge-K and exhaustive sweeps are marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+from torch.utils._pytree import tree_map
+
+from protocol.engine.bounds import SAFETY, BoundContext, bounds_for, rule_of
+from protocol.engine.precision import PrecisionPolicy, target_ulp
+from protocol.engine.splitk import SplitK
+from tests.protocol.engine.exact_sums import (
+    ORDERS,
+    Terms,
+    conv_triples,
+    cumsum_ratios,
+    reduce_owner,
+)
+
+aten = torch.ops.aten
+F64 = torch.float64
+POLICY = PrecisionPolicy()
+CTX = BoundContext(POLICY)
+FLT_MAX = float(np.finfo(np.float32).max)
+MP_PREC = 200
+
+FIGURES: dict[str, list[np.ndarray]] = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Everything on one thread but the machines that ask for two (the rules' own passes too:
+    a two-thread region per call is slow on a busy two-core machine)."""
+    with num_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_figures():
+    yield
+    if not FIGURES:
+        return
+    print("\n|y_impl - y_exact| / (e/2) per op family (all machines, all elements):")
+    print(f"  {'family':<34} {'elements':>9} {'median':>10} {'max':>10}")
+    for family in sorted(FIGURES):
+        r = np.concatenate([np.ravel(x) for x in FIGURES[family]])
+        r = r[np.isfinite(r)]
+        print(f"  {family:<34} {r.size:>9} {np.median(r):>10.3g} {r.max():>10.3g}")
+
+
+def record(family: str, ratios) -> None:
+    FIGURES.setdefault(family, []).append(np.asarray(ratios, dtype=np.float64))
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+def f32(values) -> np.ndarray:
+    """float32-representable float64 values (rounded once to float32, nearest-even)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(values, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def t64(values) -> torch.Tensor:
+    """A float64 tensor of its own (a copy: in-place ops must not write the numpy inputs)."""
+    return torch.from_numpy(np.array(values, dtype=np.float64, copy=True))
+
+
+def data(kind: str, shape, seed: int) -> np.ndarray:
+    """Adversarial float32-representable arrays, by kind."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    sign = rng.choice([-1.0, 1.0], n)
+    if kind == "normal":
+        v = rng.standard_normal(n)
+    elif kind == "mixed":  # magnitudes over 2**-100 .. 2**100, mixed signs
+        v = sign * rng.uniform(1, 2, n) * np.ldexp(1.0, rng.integers(-100, 101, n))
+    elif kind == "subnormal":  # float32 subnormals and the smallest normals
+        v = sign * np.ldexp(rng.integers(1, 2**24, n).astype(np.float64), -149 - 1)
+    elif kind == "edges":  # powers of two and their float32 neighbours
+        base = np.ldexp(1.0, rng.integers(-30, 31, n))
+        v = sign * base * rng.choice([1.0, 1 - 2.0**-24, 1 + 2.0**-23], n)
+    elif kind == "ties":  # zeros, ones and halfway increments: float64 ties in partial sums
+        v = rng.choice([0.0, -0.0, 1.0, -1.0, 2.0**-53, -(2.0**-53), 2.0**-52, 3 * 2.0**-54,
+                        2.0**-24, 0.5], n)
+    elif kind == "cancel":  # x and -x pairs, shuffled, with one tiny residual per 64
+        half = rng.standard_normal((n + 1) // 2) * np.ldexp(1.0, rng.integers(-20, 21,
+                                                                              (n + 1) // 2))
+        v = np.concatenate([half, -half])[:n]
+        v = v[rng.permutation(n)]
+        v[:: 64] = rng.standard_normal(len(v[:: 64])) * 1e-12
+    elif kind == "drift":  # 1, then increments just above half an ULP of it: each add rounds up
+        v = np.full(n, 2.0**-53 * (1 + 2.0**-23))
+        v[0] = 1.0
+    elif kind == "zeros":
+        v = np.zeros(n)
+    else:
+        raise AssertionError(kind)
+    return f32(v).reshape(shape)
+
+
+def cancelling_factors(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """a (m, k), b (k, n) with a_i · b_j ≈ 1e-12 · ‖a_i‖‖b_j‖: a_i = [u_i, u_i, r_i] and
+    b_j = [v_j, −v_j, s_j] up to a shared permutation of k, so the big products cancel in
+    pairs exactly and only r_i · s_j (tiny) survives."""
+    rng = np.random.default_rng(seed)
+    h = (k - 1) // 2
+    u, v = f32(rng.standard_normal((m, h))), f32(rng.standard_normal((h, n)))
+    r = f32(rng.standard_normal((m, k - 2 * h)) * 1e-6)
+    s = f32(rng.standard_normal((k - 2 * h, n)) * 1e-6)
+    a = np.concatenate([u, u, r], axis=1)
+    b = np.concatenate([v, -v, s], axis=0)
+    perm = rng.permutation(k)
+    return a[:, perm], b[perm, :]
+
+
+def drift_factors(m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """a_i = [1, t, t, ...], b_j = [1, t', t', ...] with t·t' = 2**-53·(1 + 2**-23): the
+    drift of `data` inside an inner product, with ‖a_i‖‖b_j‖ ≈ Σ|a_ik·b_kj| ≈ 1, so the
+    Cauchy–Schwarz bound is tight too and a sequential dot realises γ_{K−1}."""
+    a = np.full((m, k), 2.0**-26)
+    b = np.full((k, n), 2.0**-27 * (1 + 2.0**-23))
+    a[:, 0], b[0, :] = 1.0, 1.0
+    return f32(a), f32(b)
+
+
+# -- machines ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def native(threads: int) -> Callable:
+    def run(func, args, kwargs):
+        with num_threads(threads):
+            return func(*args, **kwargs)
+    return run
+
+
+SPLITS = [SplitK(seed=5, chunks=2, order="permuted"), SplitK(seed=5, chunks=3, order="permuted"),
+          SplitK(seed=5, chunks=8, order="permuted"), SplitK(seed=5, chunks=8, order="pairwise"),
+          SplitK(seed=5, chunks=5, order="pairwise"), SplitK(seed=5, chunks=8, order="reversed"),
+          SplitK(seed=5, chunks=3, order="reversed")]
+MACHINES: dict[str, Callable] = {"native-1t": native(1), "native-2t": native(2),
+                                 **{repr(s): s for s in SPLITS}}
+HAS_CUDA = torch.cuda.is_available()
+
+
+def on_cuda(func, args: tuple, kwargs: dict):
+    """The op on the GPU (float64: no TF32 or reduced-precision paths), results back on the
+    CPU. A machine wherever CUDA is present (not exercised on CPU-only hosts)."""
+    def to(v):
+        return v.cuda() if isinstance(v, torch.Tensor) else v
+    out = func(*tree_map(to, args), **tree_map(to, kwargs))
+    return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, out)
+
+
+if HAS_CUDA:
+    MACHINES["cuda"] = on_cuda
+
+
+def bounds(func, args: tuple, kwargs: dict, ys: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """e per element of each of `ys`, as the interceptor computes it (zeros for e = 0)."""
+    rule = rule_of(func, args, kwargs)
+    assert rule is not None, f"{func} has no rule"
+    es = bounds_for(CTX, rule, func, args, kwargs, list(ys))
+    out = []
+    for e, y in zip(es, ys, strict=True):
+        if e is None:
+            out.append(np.zeros(tuple(y.shape)))
+        else:
+            e = torch.as_tensor(e, dtype=F64)
+            out.append(np.broadcast_to(e.numpy(), tuple(y.shape)).astype(np.float64))
+    return out
+
+
+def _results(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for t in out if t is not None]
+
+
+# -- reductions: the judge ---------------------------------------------------------------------
+
+def judge(family: str, machine: str, y, e: np.ndarray, terms: Terms) -> np.ndarray:
+    y = y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    ratios, failures = terms.ratios(y, e)
+    assert not failures, (f"bound exceeded: {family} on {machine}, {len(failures)} elements; "
+                          + "; ".join(failures[:5]))
+    record(family, ratios)
+    return ratios
+
+
+def check_reduction(family: str, func, args: tuple, kwargs: dict, exact: list[Terms],
+                    sequential: bool = True, extra: dict[str, Callable] | None = None,
+                    orders: Sequence[str] = ORDERS) -> None:
+    """Every machine's results against `exact` (one Terms per result tensor)."""
+    machines = dict(MACHINES)
+    machines.update(extra or {})
+    judged: set[bytes] = set()  # a machine that falls back to the native kernel: judged once
+    for name, machine in machines.items():
+        ys = _results(machine(func, args, kwargs))
+        assert len(ys) == len(exact)
+        key = b"".join(y.contiguous().numpy().tobytes() for y in ys)
+        if key in judged:
+            continue
+        judged.add(key)
+        for y, e, terms in zip(ys, bounds(func, args, kwargs, ys), exact, strict=True):
+            assert y.numel() == terms.n_out, (name, tuple(y.shape), terms.n_out)
+            judge(family, name, y.contiguous().view(-1), e, terms)
+    if not sequential:
+        return
+    shapes = [y.shape for y in _results(func(*args, **kwargs))]
+    for order in orders:
+        ys = [t64(terms.sequential(order, seed=3)).reshape(shape)
+              for terms, shape in zip(exact, shapes, strict=True)]
+        for y, e, terms in zip(ys, bounds(func, args, kwargs, ys), exact, strict=True):
+            judge(family, f"sequential-{order}", y.view(-1), e, terms)
+
+
+# -- reductions: exact terms -------------------------------------------------------------------
+
+def mm_terms(a: np.ndarray, b: np.ndarray, alpha: float = 1.0, batch: int = 1) -> Terms:
+    """Terms of alpha · (a @ b), batched over a leading dimension when batch > 1."""
+    a3, b3 = a.reshape(batch, *a.shape[-2:]), b.reshape(batch, *b.shape[-2:])
+    _, m, k = a3.shape
+    n = b3.shape[2]
+    z, i, kk, j = np.indices((batch, m, k, n)).reshape(4, -1)
+    owner = (z * m + i) * n + j
+    return Terms(batch * m * n).products(owner, a3[z, i, kk], b3[z, kk, j], alpha)
+
+
+def with_scaled(terms: Terms, c: np.ndarray, beta: float) -> Terms:
+    """terms + beta · c (c broadcast to the output, flat)."""
+    if beta != 0:
+        terms.add(np.arange(terms.n_out), np.ravel(c), beta)
+    return terms
+
+
+def sum_terms(x: np.ndarray, dims) -> Terms:
+    owner, n_out = reduce_owner(x.shape, dims)
+    return Terms(n_out).add(owner, x.ravel())
+
+
+MM_KINDS = ["normal", "mixed", "subnormal", "edges", "ties", "zeros"]
+
+
+@pytest.mark.parametrize("kind", MM_KINDS + ["cancel-rows", "drift"])
+def test_mm_family(kind):
+    m, k, n = 6, 67, 5
+    if kind == "cancel-rows":
+        a, b = cancelling_factors(m, k, n, seed=1)
+    elif kind == "drift":
+        a, b = drift_factors(m, k, n)
+    else:
+        a, b = data(kind, (m, k), 1), data(kind, (k, n), 2)
+    A, B = t64(a), t64(b)
+    check_reduction(f"mm[{kind}]", aten.mm.default, (A, B), {}, [mm_terms(a, b)],
+                    extra={"numpy": lambda f, args, kw: t64(args[0].numpy() @ args[1].numpy())})
+    v = b[:, 0].copy()
+    check_reduction(f"mv[{kind}]", aten.mv.default, (A, t64(v)), {},
+                    [mm_terms(a, v[:, None])])
+    check_reduction(f"dot[{kind}]", aten.dot.default, (A[0], t64(a[1])), {},
+                    [mm_terms(a[:1], a[1][:, None])])
+    c = data("normal" if kind in ("cancel-rows", "zeros", "drift") else kind, (n,), 3)
+    for beta, alpha in [(1.0, 1.0), (f32(0.3), f32(-1.7)), (0.0, 2.0), (-2.0, f32(1e-3))]:
+        beta, alpha = float(beta), float(alpha)
+        kw = {"beta": beta, "alpha": alpha}
+        check_reduction(f"addmm[{kind}]", aten.addmm.default, (t64(c), A, B), kw,
+                        [with_scaled(mm_terms(a, b, alpha), np.broadcast_to(c, (m, n)), beta)],
+                        sequential=False)
+        check_reduction(f"addmv[{kind}]", aten.addmv.default, (t64(c[:1].repeat(m)), A, t64(v)),
+                        kw, [with_scaled(mm_terms(a, v[:, None], alpha), c[:1].repeat(m), beta)],
+                        sequential=False)
+
+
+@pytest.mark.parametrize("kind", ["normal", "mixed", "cancel", "subnormal"])
+def test_bmm_and_baddbmm(kind):
+    z, m, k, n = 3, 4, 37, 5
+    a, b = data(kind, (z, m, k), 4), data(kind, (z, k, n), 5)
+    check_reduction(f"bmm[{kind}]", aten.bmm.default, (t64(a), t64(b)), {},
+                    [mm_terms(a, b, batch=z)])
+    c = data("normal", (z, m, n), 6)
+    for beta, alpha in [(1.0, 1.0), (float(f32(0.7)), float(f32(-3.1)))]:
+        check_reduction(f"baddbmm[{kind}]", aten.baddbmm.default, (t64(c), t64(a), t64(b)),
+                        {"beta": beta, "alpha": alpha},
+                        [with_scaled(mm_terms(a, b, alpha, batch=z), c, beta)], sequential=False)
+
+
+SUM_KINDS = ["normal", "mixed", "subnormal", "edges", "ties", "cancel", "drift", "zeros"]
+
+
+@pytest.mark.parametrize("kind", SUM_KINDS)
+def test_sum_and_mean(kind):
+    x = data(kind, (6, 50, 7), 7)
+    X = t64(x)
+    flat = data(kind, (4096,), 8)
+    check_reduction(f"sum[{kind}]", aten.sum.default, (t64(flat),), {}, [sum_terms(flat, [0])],
+                    extra={"numpy": lambda f, args, kw: t64(np.sum(args[0].numpy()))})
+    for dims, keepdim in [([1], False), ([0, 2], True), ([-1], False), ([0, 1, 2], False)]:
+        check_reduction(f"sum[{kind}]", aten.sum.dim_IntList, (X, dims, keepdim), {},
+                        [sum_terms(x, dims)])
+        count = int(np.prod([x.shape[d] for d in dims]))
+        check_reduction(f"mean[{kind}]", aten.mean.dim, (X, dims, keepdim), {},
+                        [sum_terms(x, dims).divide(count)])
+    check_reduction(f"mean[{kind}]", aten.mean.default, (t64(flat),), {},
+                    [sum_terms(flat, [0]).divide(flat.size)])
+
+
+def test_drift_is_tight_for_sequential_summation():
+    """1 + (K−1) increments just above half an ULP of the partial sum: a left-to-right sum
+    rounds up at every step, realising the worst case γ_{K−1}·Σ|x|; the rule's e/2 = γ_K·Σ|x|
+    is then tight to a factor (K−1)/K, not loose."""
+    x = data("drift", (4096,), 0)
+    terms = sum_terms(x, [0])
+    y = terms.sequential("given")
+    (e,) = bounds(aten.sum.default, (t64(x),), {}, [t64(y)])
+    ratios = judge("sum[drift-sequential]", "sequential-given", y, e.reshape(1), terms)
+    assert 0.99 < ratios[0] <= 1.0
+
+
+def hillis_steele(x: np.ndarray, axis: int) -> np.ndarray:
+    """Inclusive prefix sum by doubling (a GPU scan's order): y_i += y_{i−2^j}."""
+    y = np.moveaxis(x, axis, -1).copy()
+    shift = 1
+    while shift < y.shape[-1]:
+        y[..., shift:] = y[..., shift:] + y[..., :-shift].copy()
+        shift *= 2
+    return np.moveaxis(y, -1, axis)
+
+
+def check_cumsum(kind: str, x: np.ndarray, dim: int) -> None:
+    X = t64(x)
+    machines = {"native-1t": native(1), "native-2t": native(2),
+                "numpy": lambda f, args, kw: t64(np.cumsum(args[0].numpy(), axis=args[1])),
+                "scan-tree": lambda f, args, kw: t64(hillis_steele(args[0].numpy(), args[1]))}
+    for name, machine in machines.items():
+        y = machine(aten.cumsum.default, (X, dim), {})
+        (e,) = bounds(aten.cumsum.default, (X, dim), {}, [y])
+        ratios, failures = cumsum_ratios(x, y.numpy(), e, dim)
+        assert not failures, f"bound exceeded: cumsum[{kind}] on {name}: {failures[:5]}"
+        record(f"cumsum[{kind}]", ratios)
+
+
+@pytest.mark.parametrize("kind", SUM_KINDS)
+def test_cumsum(kind):
+    check_cumsum(kind, data(kind, (5, 300), 9), 1)
+    check_cumsum(kind, data(kind, (40, 3), 10), 0)
+
+
+# -- convolution -------------------------------------------------------------------------------
+
+CONVS = [  # x shape, w shape, stride, padding, dilation, transposed, output_padding, groups
+    ((2, 3, 6, 5), (4, 3, 3, 3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+    ((2, 4, 7, 6), (4, 2, 3, 2), [2, 1], [1, 2], [2, 1], False, [0, 0], 2),
+    ((2, 3, 6, 6), (3, 1, 3, 3), [1, 2], [2, 0], [1, 2], False, [0, 0], 3),  # depthwise
+    ((3, 5, 11), (4, 5, 4), [3], [2], [2], False, [0], 1),
+    ((1, 2, 4, 4, 3), (3, 2, 2, 2, 2), [1, 1, 1], [1, 0, 1], [1, 1, 1], False, [0, 0, 0], 1),
+    ((2, 4, 4, 5), (4, 3, 3, 3), [2, 2], [1, 1], [1, 1], True, [1, 0], 1),
+    ((2, 4, 5, 4), (4, 2, 2, 3), [2, 1], [0, 1], [2, 1], True, [1, 0], 2),
+    ((2, 3, 7), (3, 2, 3), [2], [1], [1], True, [1], 1),
+]
+CONV_IDS = ["2d", "2d-stride-pad-dil-groups", "depthwise", "1d", "3d", "transposed",
+            "transposed-groups-dil", "transposed-1d"]
+
+
+def conv_terms(x, w, bias, g, spec) -> tuple[Terms, Terms, Terms, Terms]:
+    stride, padding, dilation, transposed, output_padding, groups = spec
+    out_shape, oi, xi, wi = conv_triples(x.shape, w.shape, stride, padding, dilation,
+                                         transposed, output_padding, groups)
+    n_out = int(np.prod(out_shape))
+    xf, wf, gf = x.ravel(), w.ravel(), g.ravel()
+    fwd = Terms(n_out).products(oi, xf[xi], wf[wi])
+    channel = np.indices(out_shape)[1].ravel()
+    if bias is not None:
+        fwd.add(np.arange(n_out), bias[channel])
+    gi = Terms(x.size).products(xi, gf[oi], wf[wi])
+    gw = Terms(w.size).products(wi, gf[oi], xf[xi])
+    gb = Terms(out_shape[1]).add(channel, gf)
+    return fwd, gi, gw, gb
+
+
+CONV_ORDERS = ("reversed", "largest-first", "shuffled")
+
+
+@pytest.mark.parametrize("kind", ["normal", "mixed", "cancel",
+                                  pytest.param("subnormal", marks=pytest.mark.slow),
+                                  pytest.param("edges", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("conv", CONVS, ids=CONV_IDS)
+def test_convolution_forward_and_backward(conv, kind):
+    x_shape, w_shape, *spec = conv
+    spec = tuple(spec)
+    x, w = data(kind, x_shape, 11), data(kind, w_shape, 12)
+    out_shape = aten.convolution.default(t64(x), t64(w), None, *spec).shape
+    c_out = out_shape[1]
+    bias = data("normal" if kind in ("cancel",) else kind, (c_out,), 13)
+    g = data(kind, tuple(out_shape), 14)
+    fwd, gi, gw, gb = conv_terms(x, w, bias, g, spec)
+    family = "conv-transposed" if spec[3] else "conv"
+    check_reduction(f"{family}[{kind}]", aten.convolution.default,
+                    (t64(x), t64(w), t64(bias), *spec), {}, [fwd], orders=CONV_ORDERS)
+    fwd_nobias = conv_terms(x, w, None, g, spec)[0]
+    check_reduction(f"{family}[{kind}]", aten.convolution.default,
+                    (t64(x), t64(w), None, *spec), {}, [fwd_nobias], sequential=False)
+    back = aten.convolution_backward.default
+    args = (t64(g), t64(x), t64(w), [c_out], *spec, [True, True, True])
+    check_reduction(f"{family}-backward[{kind}]", back, args, {}, [gi, gw, gb],
+                    orders=CONV_ORDERS)
+    for mask in ([True, False, False], [False, True, False], [False, True, True]):
+        picked = [t for t, m in zip((gi, gw, gb), mask, strict=True) if m]
+        args = (t64(g), t64(x), t64(w), [c_out] if mask[2] else None, *spec, mask)
+        check_reduction(f"{family}-backward[{kind}]", back, args, {}, picked, sequential=False)
+
+
+def test_conv_triples_match_torch():
+    """The index enumeration is the convolution torch computes (on small integers: exact)."""
+    for x_shape, w_shape, *spec in CONVS:
+        rng = np.random.default_rng(0)
+        x = rng.integers(-3, 4, x_shape).astype(np.float64)
+        w = rng.integers(-3, 4, w_shape).astype(np.float64)
+        y = aten.convolution.default(t64(x), t64(w), None, *spec).numpy()
+        out_shape, oi, xi, wi = conv_triples(x_shape, w_shape, *spec)
+        assert tuple(y.shape) == out_shape
+        ref = np.zeros(int(np.prod(out_shape)))
+        np.add.at(ref, oi, x.ravel()[xi] * w.ravel()[wi])
+        assert np.array_equal(ref, y.ravel())
+
+
+# -- embedding backward, index_add ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["normal", "mixed", "cancel", "subnormal", "drift"])
+@pytest.mark.parametrize("scale", [False, True])
+def test_embedding_dense_backward(kind, scale):
+    rng = np.random.default_rng(15)
+    num_weights, d = 7, 5
+    indices = rng.integers(0, num_weights, (4, 30))
+    indices[0, :] = 3  # one row gathers many terms
+    g = data(kind, (4, 30, d), 16)
+    padding_idx = 2
+    flat_idx = indices.ravel()
+    keep = flat_idx != padding_idx
+    rows = np.repeat(flat_idx[keep], d)
+    owner = rows * d + np.tile(np.arange(d), int(keep.sum()))
+    terms = Terms(num_weights * d).add(owner, g.reshape(-1, d)[keep].ravel())
+    if scale:
+        counts = np.bincount(flat_idx, minlength=num_weights)
+        terms.divide(np.repeat(np.maximum(counts, 1), d))
+    args = (t64(g), torch.from_numpy(indices), num_weights, padding_idx, scale)
+    check_reduction(f"embedding-backward[{kind}]", aten.embedding_dense_backward.default,
+                    args, {}, [terms])
+
+
+@pytest.mark.parametrize("kind", ["normal", "mixed", "cancel", "subnormal"])
+@pytest.mark.parametrize("alpha", [1.0, 2.0, float(f32(-0.3))])
+def test_index_add(kind, alpha):
+    rng = np.random.default_rng(17)
+    base = data(kind, (6, 4), 18)
+    for dim in (0, 1):
+        n_src = 25
+        index = rng.integers(0, base.shape[dim], n_src)
+        src_shape = (n_src, 4) if dim == 0 else (6, n_src)
+        src = data(kind, src_shape, 19 + dim)
+        r, c = np.indices(src_shape).reshape(2, -1)
+        owner = index[r] * 4 + c if dim == 0 else r * 4 + index[c]
+        terms = Terms(base.size).add(np.arange(base.size), base.ravel())
+        terms.add(owner, src.ravel(), alpha)
+        args = (t64(base), dim, torch.from_numpy(index), t64(src))
+        check_reduction(f"index-add[{kind}]", aten.index_add.default, args, {"alpha": alpha},
+                        [terms], sequential=alpha == 1.0)
+
+
+# -- tightness of the reduction bounds -----------------------------------------------------------
+
+def test_matmul_bound_is_far_below_a_float32_ulp_on_random_normal_data():
+    """On random normal data a K=256 matmul's e is a tiny fraction of the result's float32 ULP
+    (so it logs next to nothing), and the observed errors use a fair share of e/2."""
+    a, b = data("normal", (32, 256), 20), data("normal", (256, 32), 21)
+    y = aten.mm.default(t64(a), t64(b))
+    (e,) = bounds(aten.mm.default, (t64(a), t64(b)), {}, [y])
+    ulp = target_ulp(y.to(torch.float32), POLICY).numpy()
+    share = e / ulp
+    print(f"\nmm 32x256x32 normal: median e / ulp32(y) = {np.median(share):.3g}, "
+          f"max = {share.max():.3g}; median e = {np.median(e):.3g}")
+    assert np.median(share) < 1e-3
+    terms = mm_terms(a, b)
+    ratios = judge("mm[normal-256]", "native-1t", y.view(-1), e, terms)
+    assert np.median(ratios) > 1e-5  # observed ~3e-4: a bound not vacuous by many orders
+    s_exact = np.array([math.fsum(np.abs(t).tolist()) for t in terms.groups()])
+    slack = (e.ravel() / 2) / (CTX.gamma(256) * s_exact)  # Cauchy–Schwarz over Σ|terms|
+    print(f"mm 32x256x32 normal: (e/2) / (γ_K Σ|terms|): median {np.median(slack):.3g}")
+    assert np.median(slack) < 30
+
+
+# -- library functions -----------------------------------------------------------------------------
+
+def _mp_sigmoid(x):
+    return 1 / (1 + mpmath.exp(-x))
+
+
+def _np_sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+UNARY: dict[str, tuple] = {  # name: (aten op, mpmath, numpy, math)
+    "exp": (aten.exp.default, mpmath.exp, np.exp, math.exp),
+    "log": (aten.log.default, mpmath.log, np.log, math.log),
+    "log1p": (aten.log1p.default, mpmath.log1p, np.log1p, math.log1p),
+    "expm1": (aten.expm1.default, mpmath.expm1, np.expm1, math.expm1),
+    "tanh": (aten.tanh.default, mpmath.tanh, np.tanh, math.tanh),
+    "sigmoid": (aten.sigmoid.default, _mp_sigmoid, _np_sigmoid, None),
+    "erf": (aten.erf.default, mpmath.erf, None, math.erf),
+    "erfc": (aten.erfc.default, mpmath.erfc, None, math.erfc),
+    "rsqrt": (aten.rsqrt.default, lambda x: 1 / mpmath.sqrt(x), lambda x: 1.0 / np.sqrt(x),
+              lambda x: 1.0 / math.sqrt(x)),
+    "reciprocal": (aten.reciprocal.default, lambda x: 1 / x, np.reciprocal, lambda x: 1.0 / x),
+    "sin": (aten.sin.default, mpmath.sin, np.sin, math.sin),
+    "cos": (aten.cos.default, mpmath.cos, np.cos, math.cos),
+    "atan": (aten.atan.default, mpmath.atan, np.arctan, math.atan),
+    "silu": (aten.silu.default, lambda x: x * _mp_sigmoid(x), lambda x: x * _np_sigmoid(x),
+             None),
+}
+
+
+def pool() -> np.ndarray:
+    """Inputs every function sees: normals at three scales, powers of two over the whole
+    float32 range with their neighbours (binade edges), subnormals, zeros, the extremes."""
+    rng = np.random.default_rng(23)
+    p2 = np.ldexp(1.0, np.arange(-149, 128, 6))
+    parts = [rng.standard_normal(40) * s for s in (1.0, 1e-3, 40.0)]
+    parts += [p2, p2 * (1 - 2.0**-24), np.minimum(p2 * (1 + 2.0**-23), FLT_MAX),
+              [0.0, 2.0**-149, 3 * 2.0**-149, 2.0**-127, 2.0**-126 * (1 - 2.0**-23), FLT_MAX,
+               1.0, 0.5, 2.0, 3.0, 1e-8]]
+    v = f32(np.concatenate(parts))
+    return np.concatenate([v, -v])
+
+
+def _near(centres, ulps: int = 4) -> np.ndarray:
+    """float32 values within `ulps` float32 ULPs of each centre."""
+    c = np.asarray(centres, dtype=np.float32)
+    steps = np.arange(-ulps, ulps + 1)
+    bits = c.view(np.int32)[:, None] + np.where(c[:, None] < 0, -steps, steps)
+    return bits.astype(np.int32).view(np.float32).astype(np.float64).ravel()
+
+
+EXTRA = {  # the adversarial ranges of each function (float32 values)
+    "exp": np.concatenate([np.linspace(-745.5, -700, 41), np.linspace(700, 709.7, 9),
+                           [88.72, -103.97, -87.3]]),
+    "log": np.concatenate([_near([1.0, 2.0, 0.5], 6), [2.0**-149, FLT_MAX]]),
+    "log1p": np.concatenate([-1 + 2.0**-24 * np.arange(1, 8), _near([1e-30, -0.5, 1e30])]),
+    "expm1": np.concatenate([np.linspace(-50, 709.7, 31), _near([1e-10, -1e-10])]),
+    "tanh": np.concatenate([np.linspace(17, 20, 13), _near([1e-10, 0.55])]),
+    "sigmoid": np.concatenate([np.linspace(-708, -690, 10), np.linspace(35, 38, 7),
+                               np.linspace(-40, -36, 5)]),
+    "erf": np.concatenate([np.linspace(5.5, 6.2, 8), _near([1e-20, 0.4769])]),
+    "erfc": np.concatenate([np.linspace(25.8, 27.3, 16), np.linspace(-6.5, -5.5, 5),
+                            _near([0.4769, 1e-20])]),
+    "rsqrt": _near([4.0, 2.0**-148, 2.0**126]),
+    "reciprocal": _near([3.0, 2.0**-148, 2.0**126]),
+    "sin": np.concatenate([_near([np.pi, 2 * np.pi, np.pi / 2, 355.0, 103993.0 / 2]),
+                           f32(np.pi * np.array([1e3, 1e5, 1e7, 123456789.0])), [2.0**100]]),
+    "cos": np.concatenate([_near([np.pi / 2, 3 * np.pi / 2, 1e5 * np.pi + np.pi / 2]),
+                           [2.0**100, 2.0**127]]),
+    "atan": _near([1.0, 1e-20, 1e20]),
+    "silu": np.concatenate([np.linspace(-708, -690, 10), np.linspace(35, 38, 7),
+                            _near([-1.2785, 1e-20])]),
+}
+
+
+def _mp_exact(ref: Callable, args: tuple, cache: dict):
+    """mpmath's value at 200 bits, or None where the function is not real and finite."""
+    key = args
+    if key not in cache:
+        with mpmath.workprec(MP_PREC):
+            try:
+                r = ref(*(mpmath.mpf(a) for a in args))
+            except (ValueError, ZeroDivisionError):
+                r = None
+            if isinstance(r, mpmath.mpc) or (r is not None and not mpmath.isfinite(r)):
+                r = None
+            cache[key] = r
+    return cache[key]
+
+
+def judge_elementwise(family: str, machine: str, inputs: Sequence[np.ndarray], y: np.ndarray,
+                      e: np.ndarray, ref: Callable, cache: dict) -> None:
+    """|y − ref(inputs)| <= e/2 for every element with a finite result (inf and NaN are no
+    rounding sites), compared in mpmath."""
+    failures, ratios = [], []
+    seen: set = set()
+    for idx in range(y.size):
+        yi, ei = float(y.flat[idx]), float(e.flat[idx])
+        args = tuple(float(x.flat[idx]) for x in inputs)
+        if not math.isfinite(yi) or (args, yi) in seen:
+            continue
+        seen.add((args, yi))
+        exact = _mp_exact(ref, args, cache)
+        if exact is None or abs(exact) > np.finfo(np.float64).max:
+            continue
+        with mpmath.workprec(MP_PREC):
+            diff, half = abs(mpmath.mpf(yi) - exact), mpmath.mpf(ei) / 2
+            ratios.append(float(diff / half) if half > 0 else (0.0 if diff == 0 else math.inf))
+            if diff > half:
+                failures.append(f"x={args!r}: y_impl={yi!r} y_exact~{float(exact)!r} "
+                                f"|diff|~{float(diff)!r} e/2={float(half)!r}")
+    assert not failures, (f"bound exceeded: {family} on {machine}, {len(failures)} elements; "
+                          + "; ".join(failures[:5]))
+    record(family, ratios)
+
+
+def torch_machines(func, inputs: Sequence[np.ndarray], extra: tuple = (), kwargs=None,
+                   lead: tuple = ()) -> dict[str, tuple[list[np.ndarray], torch.Tensor]]:
+    """The torch results of `func(*inputs, *extra)`: contiguous with 1 thread (SLEEF vector
+    loop, scalar tail), strided (ATen's scalar loop), and tiled past ATen's grain size with 2
+    threads. Each entry: (the inputs as run, the output)."""
+    kwargs = kwargs or {}
+    out = {}
+    xs = [t64(x) for x in inputs]
+    with num_threads(1):
+        out["torch-1t"] = (list(inputs), func(*lead, *xs, *extra, **kwargs))
+        strided = [t64(np.repeat(x, 2)).view(-1)[::2] for x in inputs]
+        assert all(not s.is_contiguous() for s in strided if s.numel() > 1)
+        out["torch-strided"] = (list(inputs), func(*lead, *strided, *extra, **kwargs))
+    reps = 70000 // max(inputs[0].size, 1) + 1
+    tiled = [np.tile(x, reps)[1:] for x in inputs]  # shifted by one: other vector lanes
+    with num_threads(2):
+        out["torch-2t"] = (tiled, func(*lead, *(t64(x) for x in tiled), *extra, **kwargs))
+    if HAS_CUDA:
+        out["cuda"] = (list(inputs), on_cuda(func, (*lead, *xs, *extra), kwargs))
+    return out
+
+
+def _dedupe(inputs: Sequence[np.ndarray], y: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """The distinct (inputs, y) rows (the tiled run repeats each element many times)."""
+    stacked = np.stack([*(np.ravel(x) for x in inputs), np.ravel(y)], axis=1)
+    _, first = np.unique(stacked.view(np.int64), axis=0, return_index=True)
+    first.sort()
+    return [np.ravel(x)[first] for x in inputs], np.ravel(y)[first]
+
+
+def check_elementwise(family: str, func, inputs: Sequence[np.ndarray], ref: Callable,
+                      numpy_fn: Callable | None, math_fn: Callable | None, extra: tuple = (),
+                      cache: dict | None = None, lead: tuple = ()) -> None:
+    """`func(*lead, *inputs, *extra)` on every machine against `ref(*inputs)` (mpmath)."""
+    cache = {} if cache is None else cache
+    runs = {k: (xs, y.numpy())
+            for k, (xs, y) in torch_machines(func, inputs, extra, lead=lead).items()}
+    with np.errstate(all="ignore"):
+        if numpy_fn is not None:
+            runs["numpy"] = (list(inputs), np.asarray(numpy_fn(*inputs), dtype=np.float64))
+        if math_fn is not None:
+            def safe(*a):
+                try:
+                    return math_fn(*a)
+                except (OverflowError, ValueError, ZeroDivisionError):
+                    return math.nan
+            y = np.array([safe(*a) for a in zip(*(x.tolist() for x in inputs), strict=True)])
+            runs["math"] = (list(inputs), y)
+    for machine, (xs, y) in runs.items():
+        xs, y = _dedupe(xs, y)
+        y_t = t64(y)
+        (e,) = bounds(func, (*lead, *(t64(x) for x in xs), *extra), {}, [y_t])
+        judge_elementwise(family, machine, xs, y, e, ref, cache)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_functions(name):
+    func, ref, numpy_fn, math_fn = UNARY[name]
+    x = np.concatenate([pool(), f32(EXTRA.get(name, []))])
+    check_elementwise(name, func, [x], ref, numpy_fn, math_fn)
+
+
+def test_sigmoid_and_silu_far_below_the_overflow_of_exp():
+    """Where exp(−x) overflows (x < −709.78) the exact sigmoid is a float64 subnormal down to
+    x ≈ −745; 1/(1 + exp(−x)) gives 0 there. Checked only above that range; see the xfail."""
+    x = f32(np.linspace(-709.7, -700.0, 25))
+    check_elementwise("sigmoid", aten.sigmoid.default, [x], _mp_sigmoid, _np_sigmoid, None)
+    check_elementwise("silu", aten.silu.default, [x], UNARY["silu"][1], UNARY["silu"][2], None)
+
+
+@pytest.mark.xfail(strict=True, reason="bound rule gap: sigmoid/silu where exp(-x) overflows "
+                   "(x in [-745.13, -709.78]) return 0 while the exact result is a float64 "
+                   "subnormal up to ~2**-1024, far beyond the relative rule's absolute floor "
+                   "of 3 subnormal units (reported, not fixed here)")
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_sigmoid_and_silu_where_exp_overflows(name):
+    func, ref, numpy_fn, _ = UNARY[name]
+    x = f32([-720.0, -710.0, -740.0])
+    check_elementwise(name, func, [x], ref, numpy_fn, None)
+
+
+def _positive_pool() -> np.ndarray:
+    p = pool()
+    return p[p > 0]
+
+
+def test_div():
+    rng = np.random.default_rng(29)
+    p = pool()
+    a = np.concatenate([p, rng.permutation(p)])
+    b = np.concatenate([rng.permutation(p), f32(rng.standard_normal(p.size))])
+    check_elementwise("div", aten.div.Tensor, [a, b], lambda x, y: x / y, np.divide,
+                      lambda x, y: x / y)
+
+
+POW_SCALARS = [2.0, 3.0, 0.5, -0.5, -1.0, -2.0, float(f32(1 / 3)), 2.5, -100.0,
+               *(pytest.param(v, marks=pytest.mark.slow)
+                 for v in (-3.0, 7.0, 100.0, float(f32(1e-3)), 0.0, 1.0))]
+
+
+@pytest.mark.parametrize("exponent", POW_SCALARS)
+def test_pow_tensor_scalar(exponent):
+    x = np.concatenate([pool(), f32(np.linspace(0.9, 1.1, 9))])
+    check_elementwise("pow", aten.pow.Tensor_Scalar, [x], lambda b: mpmath.power(b, exponent),
+                      lambda b: np.power(b, exponent), lambda b: math.pow(b, exponent),
+                      extra=(exponent,))
+
+
+def test_pow_tensor_tensor_and_scalar_base():
+    rng = np.random.default_rng(31)
+    base = np.concatenate([_positive_pool(), f32([0.5, 2.0, 1.0000001, 0.9999999, 10.0] * 4)])
+    expo = f32(np.concatenate([rng.standard_normal(base.size - 20) * 8,
+                               [1050.0, 1070.0, -1050.0, 1e7, -1e7, 1074.0, 1060.5, 700.0,
+                                30.0, -30.0, 1e8, 5e6, -1e8, 2.0**-30, -(2.0**-30), 3.0, 1022.0,
+                                1024.0, 0.5, 1.5]]))
+    check_elementwise("pow", aten.pow.Tensor_Tensor, [base, expo], mpmath.power, np.power,
+                      math.pow)
+    neg = -base[: 40]
+    ints = f32(rng.integers(-9, 10, 40))
+    check_elementwise("pow", aten.pow.Tensor_Tensor, [neg, ints], mpmath.power, np.power,
+                      math.pow)
+    for b in (2.0, 0.5, float(f32(1.1)), 10.0):
+        check_elementwise("pow", aten.pow.Scalar, [expo], lambda x, b=b: mpmath.power(b, x),
+                          lambda x, b=b: np.power(b, x), lambda x, b=b: math.pow(b, x),
+                          lead=(b,))
+
+
+# -- own elementwise rules (exact in rationals) ----------------------------------------------
+
+def Q(v: float) -> Fraction:
+    return Fraction(v)
+
+
+def judge_rational(family: str, machine: str, y: np.ndarray, e: np.ndarray,
+                   exact: list[Fraction]) -> None:
+    failures, ratios = [], []
+    for yi, ei, xi in zip(np.ravel(y).tolist(), np.ravel(e).tolist(), exact, strict=True):
+        if not math.isfinite(yi):
+            continue
+        diff, half = abs(Q(yi) - xi), Q(ei) / 2
+        ratios.append(float(diff / half) if half else (0.0 if diff == 0 else math.inf))
+        if diff > half:
+            failures.append(f"y_impl={yi!r} y_exact~{float(xi)!r} |diff|~{float(diff)!r} "
+                            f"e/2={float(half)!r}")
+    assert not failures, (f"bound exceeded: {family} on {machine}, {len(failures)} elements; "
+                          + "; ".join(failures[:5]))
+    record(family, ratios)
+
+
+def elementwise_pairs(seed: int, n: int = 200) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three float32-representable operands with the usual adversarial mix."""
+    rng = np.random.default_rng(seed)
+    kinds = ["normal", "mixed", "subnormal", "edges", "ties"]
+    cols = [np.concatenate([data(k, (n // len(kinds),), seed * 7 + i + j)
+                            for j, k in enumerate(kinds)]) for i in range(3)]
+    for c in cols:
+        rng.shuffle(c)
+    return cols[0], cols[1], cols[2]
+
+
+def check_own(family: str, func, tensors: Sequence[np.ndarray], kwargs: dict, scalars: tuple,
+              exact_fn: Callable, formulas: dict[str, Callable]) -> None:
+    """torch (1t, strided, 2t-tiled), the numpy `formulas`, and the correctly rounded exact
+    value (one rounding: what an FMA-based kernel at its best gives)."""
+    exact = [exact_fn(*(Q(v) for v in vals)) for vals in zip(*(t.tolist() for t in tensors),
+                                                               strict=True)]
+    args = tuple(t64(t) for t in tensors) + scalars
+    runs: dict[str, np.ndarray] = {}
+    xs = [t64(t) for t in tensors]
+    with num_threads(1):
+        runs["torch-1t"] = func(*xs, *scalars, **kwargs).numpy()
+        strided = [t64(np.repeat(t, 2)).view(-1)[::2] for t in tensors]
+        runs["torch-strided"] = func(*strided, *scalars, **kwargs).numpy()
+    reps = 70000 // tensors[0].size + 1
+    with num_threads(2):
+        tiled = func(*(t64(np.tile(t, reps)) for t in tensors), *scalars, **kwargs).numpy()
+    runs["torch-2t"] = np.unique(tiled.reshape(reps, -1).view(np.int64), axis=0).view(np.float64)
+    if HAS_CUDA:
+        runs["cuda"] = on_cuda(func, (*xs, *scalars), kwargs).numpy()
+    with np.errstate(all="ignore"):
+        for name, formula in formulas.items():
+            runs[name] = np.asarray(formula(*tensors), dtype=np.float64)
+    runs["rounded-once"] = np.array([float(v) for v in exact])
+    for machine, y in runs.items():
+        ys = y if y.ndim == 2 else y[None]
+        for row in ys:
+            (e,) = bounds(func, args, kwargs, [t64(row)])
+            judge_rational(family, machine, row, e, exact)
+
+
+AXPY_ALPHAS = [*(float(f32(v)) for v in (0.1, -3.0, 1e-30, -1.5e30, 7)),
+               *(pytest.param(v, marks=pytest.mark.slow) for v in (2.0, 0.5))]
+
+
+@pytest.mark.parametrize("alpha", AXPY_ALPHAS)
+def test_add_sub_rsub_with_alpha(alpha):
+    a, b, _ = elementwise_pairs(37)
+    rng = np.random.default_rng(38)
+    cancel = f32(-alpha * b[:60] * (1 + rng.choice([0, 2.0**-20, -(2.0**-22)], 60)))
+    fine = np.isfinite(cancel)  # −alpha·b beyond float32 is no float32 input
+    a = np.concatenate([a, cancel[fine]])  # a ≈ −alpha·b: heavy cancellation
+    b = np.concatenate([b, b[:60][fine]])
+    kw = {"alpha": alpha}
+    check_own("add-alpha", aten.add.Tensor, [a, b], kw, (), lambda x, y: x + Q(alpha) * y,
+              {"two-roundings": lambda x, y: x + alpha * y})
+    check_own("add-alpha", aten.sub.Tensor, [a, -b], kw, (), lambda x, y: x - Q(alpha) * y,
+              {"two-roundings": lambda x, y: x - alpha * y})
+    check_own("add-alpha", aten.rsub.Tensor, [-b, a], kw, (), lambda x, y: y - Q(alpha) * x,
+              {"two-roundings": lambda x, y: y - alpha * x})
+    s = float(f32(-alpha * 1.25))
+    check_own("add-alpha", aten.add.Scalar, [a], kw, (s,),
+              lambda x: x + Q(alpha) * Q(s), {"two-roundings": lambda x: x + alpha * s})
+
+
+ADDC_VALUES = [1.0, float(f32(0.1)), -2.0, float(f32(-1e-20)), float(f32(3e20))]
+
+
+@pytest.mark.parametrize("value", ADDC_VALUES)
+def test_addcmul_addcdiv(value):
+    s, t1, t2 = elementwise_pairs(41)
+    rng = np.random.default_rng(42)
+    k = 60  # s ≈ −value·t1·t2 and −value·t1/t2: cancellation
+    with np.errstate(all="ignore"):
+        s_mul = np.concatenate([s, f32(-value * t1[:k] * t2[:k]
+                                       * (1 + rng.choice([0, 2.0**-21], k)))])
+        s_div = np.concatenate([s, f32(-value * t1[:k] / t2[:k])])
+    s_mul, s_div = (np.where(np.isfinite(x), x, 0.0) for x in (s_mul, s_div))  # float32 only
+    t1, t2 = np.concatenate([t1, t1[:k]]), np.concatenate([t2, t2[:k]])
+    kw = {"value": value}
+    v = Q(value)
+    check_own("addcmul", aten.addcmul.default, [s_mul, t1, t2], kw, (),
+              lambda a, b, c: a + v * b * c,
+              {"left-to-right": lambda a, b, c: a + value * b * c,
+               "product-first": lambda a, b, c: a + value * (b * c)})
+    keep = t2 != 0
+    check_own("addcdiv", aten.addcdiv.default, [s_div[keep], t1[keep], t2[keep]], kw, (),
+              lambda a, b, c: a + v * b / c,
+              {"left-to-right": lambda a, b, c: a + value * b / c,
+               "quotient-first": lambda a, b, c: a + value * (b / c),
+               "reciprocal-multiply": lambda a, b, c: a + (value * b) * (1.0 / c)})
+
+
+LERP_WEIGHTS = [0.0, 0.25, float(f32(0.4999999)), 0.5, float(f32(0.5000001)), 1.0,
+                float(f32(-1e-3)), 2.0, float(f32(-37.5)), float(f32(1e-30))]
+
+
+def _aten_lerp(s, end, w):
+    return np.where(np.abs(w) < 0.5, s + w * (end - s), end - (end - s) * (1 - w))
+
+
+def _lerp_formulas() -> dict[str, Callable]:
+    return {"aten-formula": _aten_lerp, "naive": lambda s, end, w: s + w * (end - s),
+            "two-products": lambda s, end, w: (1 - w) * s + w * end}
+
+
+def test_lerp_scalar_and_tensor_weights():
+    s, end, _ = elementwise_pairs(43)
+    rng = np.random.default_rng(44)
+    near = f32(s[:60] * (1 + rng.choice([2.0**-20, -(2.0**-23), 0.0], 60)))
+    s, end = np.concatenate([s, s[:60]]), np.concatenate([end, near])  # end ≈ s
+    for w in LERP_WEIGHTS:
+        formulas = {k: (lambda a, b, f=f, w=w: f(a, b, w)) for k, f in _lerp_formulas().items()}
+        check_own("lerp", aten.lerp.Scalar, [s, end], {}, (w,),
+                  lambda a, b, w=w: a + Q(w) * (b - a), formulas)
+    wt = f32(rng.choice(LERP_WEIGHTS, s.size) * rng.choice([1.0, 1 + 2.0**-20], s.size))
+    check_own("lerp", aten.lerp.Tensor, [s, end, wt], {}, (), lambda a, b, w: a + w * (b - a),
+              _lerp_formulas())
+
+
+# -- foreach ---------------------------------------------------------------------------------------
+
+def _lists(seed: int, sizes=(50, 37)) -> list[list[np.ndarray]]:
+    cols = elementwise_pairs(seed, n=sum(sizes) + 5)
+    cuts = np.cumsum(sizes)[:-1]
+    return [np.split(c[: sum(sizes)], cuts) for c in cols]
+
+
+def check_foreach(family: str, func, lists: Sequence[list[np.ndarray]], scalar_args: tuple,
+                  kwargs: dict, exact_fn: Callable, inplace: bool = False) -> None:
+    """A _foreach_ op on lists against the per-element exact values (list element by list
+    element, with that element's scalar where the op takes one per tensor)."""
+    n = len(lists[0])
+    for threads in (1, 2):
+        args = tuple([t64(x) for x in lst] for lst in lists) + scalar_args
+        rule_args = tuple([t.clone() for t in lst] for lst in args[: len(lists)]) + scalar_args
+        with num_threads(threads):
+            out = func(*args, **kwargs)
+        ys = args[0] if inplace else list(out)
+        assert len(ys) == n
+        es = bounds(func, rule_args, kwargs, ys)
+        for i in range(n):
+            scal = tuple(s[i] if isinstance(s, list) else
+                         (s.reshape(-1)[i].item() if s.numel() == n else s.item())
+                         if isinstance(s, torch.Tensor) else s for s in scalar_args)
+            exact = [exact_fn(*(Q(v) for v in vals), *scal) for vals in
+                     zip(*(lst[i].tolist() for lst in lists), strict=True)]
+            judge_rational(family, f"torch-{threads}t", ys[i].numpy(), es[i], exact)
+
+
+def test_foreach_own_rules():
+    a, b, c = _lists(47)
+    alpha = float(f32(-0.7))
+    check_foreach("foreach-add-alpha", aten._foreach_add.List, [a, b], (), {"alpha": alpha},
+                  lambda x, y: x + Q(alpha) * y)
+    check_foreach("foreach-add-alpha", aten._foreach_sub.List, [a, b], (), {"alpha": alpha},
+                  lambda x, y: x - Q(alpha) * y)
+    check_foreach("foreach-add-alpha", aten._foreach_add.Tensor, [a], (t64(b[0][:1]).reshape(()),),
+                  {"alpha": alpha}, lambda x, y: x + Q(alpha) * Q(y))
+    v = float(f32(0.3))
+    vs = [float(f32(-1.7)), float(f32(1e-3))]
+    nz = [np.where(x == 0, 1.0, x) for x in c]
+    check_foreach("foreach-addcmul", aten._foreach_addcmul.Scalar, [a, b, c], (v,), {},
+                  lambda s, x, y, w: s + Q(w) * x * y)
+    check_foreach("foreach-addcmul", aten._foreach_addcmul.ScalarList, [a, b, c], (vs,), {},
+                  lambda s, x, y, w: s + Q(w) * x * y)
+    check_foreach("foreach-addcmul", aten._foreach_addcmul.Tensor, [a, b, c],
+                  (torch.tensor(vs, dtype=F64),), {}, lambda s, x, y, w: s + Q(w) * x * y)
+    check_foreach("foreach-addcmul", aten._foreach_addcmul_.Scalar, [a, b, c], (v,), {},
+                  lambda s, x, y, w: s + Q(w) * x * y, inplace=True)
+    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.Scalar, [a, b, nz], (v,), {},
+                  lambda s, x, y, w: s + Q(w) * x / y)
+    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.ScalarList, [a, b, nz], (vs,), {},
+                  lambda s, x, y, w: s + Q(w) * x / y)
+    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.Tensor, [a, b, nz],
+                  (torch.tensor(vs, dtype=F64),), {}, lambda s, x, y, w: s + Q(w) * x / y)
+    for w in (0.25, float(f32(0.7)), -2.0):
+        check_foreach("foreach-lerp", aten._foreach_lerp.Scalar, [a, b], (w,), {},
+                      lambda s, t, w: s + Q(w) * (t - s))
+    weights = [f32(np.resize(LERP_WEIGHTS, x.size)) for x in a]
+    check_foreach("foreach-lerp", aten._foreach_lerp.List, [a, b, weights], (), {},
+                  lambda s, t, w: s + w * (t - s))
+
+
+def test_foreach_relative_rules():
+    x = f32(np.concatenate([pool(), EXTRA["exp"]]))
+    parts = np.array_split(x, 3)
+    ys = aten._foreach_exp.default([t64(p) for p in parts])
+    es = bounds(aten._foreach_exp.default, ([t64(p) for p in parts],), {}, ys)
+    for p, y, e in zip(parts, ys, es, strict=True):
+        judge_elementwise("foreach-exp", "torch", [p], y.numpy(), e, mpmath.exp, {})
+    a, b = np.array_split(pool(), 2), np.array_split(pool()[::-1].copy(), 2)
+    ys = aten._foreach_div.List([t64(p) for p in a], [t64(q) for q in b])
+    es = bounds(aten._foreach_div.List, ([t64(p) for p in a], [t64(q) for q in b]), {}, ys)
+    for p, q, y, e in zip(a, b, ys, es, strict=True):
+        judge_elementwise("foreach-div", "torch", [p, q], y.numpy(), e, lambda u, v: u / v, {})
+
+
+# -- the zero rule ---------------------------------------------------------------------------
+
+ZERO_OPS = {  # name: (aten op, numpy, python, exact value or None for sqrt, operand count)
+    "add": (aten.add.Tensor, np.add, lambda x, y: x + y, lambda x, y: Q(x) + Q(y), 2),
+    "sub": (aten.sub.Tensor, np.subtract, lambda x, y: x - y, lambda x, y: Q(x) - Q(y), 2),
+    "mul": (aten.mul.Tensor, np.multiply, lambda x, y: x * y, lambda x, y: Q(x) * Q(y), 2),
+    "sqrt": (aten.sqrt.default, np.sqrt, math.sqrt, None, 1),
+}
+
+# 8388607.5 is float32 0x4AFFFFFF; its square root lies 3.9e-18 (relative) below the midpoint
+# between two float64 neighbours, so only a correctly rounded sqrt returns the lower one.
+SQRT_WITNESS = 8388607.5
+TORCH_SQRT_IS_CORRECTLY_ROUNDED = (
+    torch.sqrt(torch.tensor([SQRT_WITNESS], dtype=F64)).item() == math.sqrt(SQRT_WITNESS))
+
+
+def _correctly_rounded(name: str, vals: tuple) -> float:
+    _, _, py_fn, exact_fn, _ = ZERO_OPS[name]
+    if exact_fn is None:
+        with mpmath.workprec(MP_PREC):  # a square root of a float is never within 2**-200 of
+            return float(mpmath.sqrt(mpmath.mpf(vals[0])))  # a float64 midpoint
+    q = exact_fn(*vals)
+    return py_fn(*vals) if q == 0 else float(q)  # Fraction -> float: nearest-even; the sign
+    # of an exact zero is IEEE's, as Python's own arithmetic gives it
+
+
+def _zero_operands(name: str, n: int = 400) -> list[np.ndarray]:
+    cols = list(elementwise_pairs(53, n=n))[: ZERO_OPS[name][4]]
+    if name == "sqrt":
+        return [np.abs(cols[0])]
+    # large exponent gaps too: the add is inexact, one correct rounding
+    cols[1] = np.concatenate([cols[1][: n // 2], cols[0][: n // 2] * 2.0**-40])[: cols[0].size]
+    return cols
+
+
+def _bits(y) -> np.ndarray:
+    return np.ascontiguousarray(y, dtype=np.float64).view(np.int64)
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_OPS))
+def test_zero_rule_is_bit_identical_everywhere(name):
+    """add/sub (alpha 1), mul and sqrt get e = 0; the machines agree bit for bit with the
+    correctly rounded exact value: torch with 1 and 2 threads, contiguous and strided, numpy and
+    Python floats (torch's sqrt separately, below)."""
+    func, np_fn, py_fn, _, _ = ZERO_OPS[name]
+    cols = _zero_operands(name)
+    kwargs = {"alpha": 1} if name in ("add", "sub") else {}
+    rows = list(zip(*(c.tolist() for c in cols), strict=True))
+    y_ref = np.array([_correctly_rounded(name, v) for v in rows])
+    got = {k: y.numpy() for k, (_, y) in torch_machines(func, cols, kwargs=kwargs).items()}
+    reps = 70000 // cols[0].size + 1
+    if name == "sqrt":  # torch's CPU sqrt: consistent with itself at least (see below)
+        n = cols[0].size
+        again = got["torch-2t"][n - 1: 2 * n - 1]
+        for k in ("torch-1t", "torch-strided"):
+            assert np.array_equal(_bits(got[k]), _bits(again)), k
+        got = {k: v for k, v in got.items() if k == "cuda"}
+    got["numpy"] = np_fn(*cols)
+    got["python"] = np.array([py_fn(*v) for v in rows])
+    for machine, y in got.items():
+        ref = np.tile(y_ref, reps)[1:] if machine == "torch-2t" else y_ref
+        assert np.array_equal(_bits(y), _bits(ref)), (name, machine)
+    args = tuple(t64(c) for c in cols)
+    rule = rule_of(func, args, kwargs)
+    assert rule is not None and rule.name == "zero"
+    (e,) = bounds(func, args, kwargs, [t64(y_ref)])
+    assert not e.any()
+
+
+@pytest.mark.xfail(not TORCH_SQRT_IS_CORRECTLY_ROUNDED, strict=True,
+                   reason="bound rule gap: torch's CPU float64 sqrt (this build: MKL/VML) is "
+                   "faithful, not correctly rounded (about 1.4% of float32 inputs one float64 "
+                   "ULP off, up to 0.53 ULP from exact), yet the zero rule gives it e = 0 "
+                   "(reported, not fixed here)")
+def test_torch_cpu_sqrt_is_correctly_rounded():
+    x = f32(np.random.default_rng(71).uniform(0, 1e6, 4000))
+    x[0] = SQRT_WITNESS
+    y = aten.sqrt.default(t64(x)).numpy()
+    (e,) = bounds(aten.sqrt.default, (t64(x),), {}, [t64(y)])
+    judge_elementwise("sqrt", "torch", [x], y, e, mpmath.sqrt, {})
+
+
+def test_zero_rule_foreach_and_scalar_variants():
+    a, b, _ = _lists(59)
+    for func, args, ref_fn in [
+        (aten._foreach_add.List, ([t64(x) for x in a], [t64(x) for x in b]), np.add),
+        (aten._foreach_mul.List, ([t64(x) for x in a], [t64(x) for x in b]), np.multiply),
+        (aten._foreach_sub.List, ([t64(x) for x in a], [t64(x) for x in b]), np.subtract),
+        # the per-tensor kernel: whether it is correctly rounded is the test above
+        (aten._foreach_sqrt.default, ([t64(np.abs(x)) for x in a],),
+         lambda v: aten.sqrt.default(t64(v)).numpy()),
+    ]:
+        ys = func(*args)
+        assert all(e is None for e in bounds_for(CTX, rule_of(func, args, {}), func, args, {},
+                                                 list(ys)))
+        for i, y in enumerate(ys):
+            ref = ref_fn(*(lst[i].numpy() for lst in args))
+            assert np.array_equal(_bits(y.numpy()), _bits(ref)), (func, i)
+    s = float(f32(0.1))
+    for func, np_fn in [(aten.add.Scalar, np.add), (aten.mul.Scalar, np.multiply)]:
+        x = t64(a[0])
+        y = func(x, s)
+        assert rule_of(func, (x, s), {}).name == "zero"
+        assert np.array_equal(_bits(y.numpy()), _bits(np_fn(a[0], s)))
+
+
+def test_alpha_scaled_add_is_not_given_the_zero_rule():
+    x = t64(np.ones(3))
+    for alpha in (2, 0.5, -1):
+        assert rule_of(aten.add.Tensor, (x, x), {"alpha": alpha}).name == "axpy"
+    assert SAFETY == 2.0
+
+
+# -- slow: huge K and exhaustive sweeps -----------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2**16, 2**18, 2**20])
+@pytest.mark.parametrize("kind", ["normal", "cancel", "drift", "mixed"])
+def test_huge_sums_and_means(kind, k):
+    x = data(kind, (k,), 61)
+    X = t64(x)
+    check_reduction(f"sum-hugeK[{kind}]", aten.sum.default, (X,), {}, [sum_terms(x, [0])],
+                    sequential=False,
+                    extra={"numpy": lambda f, args, kw: t64(np.sum(args[0].numpy())),
+                           "sequential": lambda f, args, kw:
+                               t64(np.cumsum(args[0].numpy())[-1:]).reshape(())})
+    check_reduction(f"mean-hugeK[{kind}]", aten.mean.default, (X,), {},
+                    [sum_terms(x, [0]).divide(k)], sequential=False)
+    x2 = x.reshape(4, -1)
+    check_reduction(f"sum-hugeK[{kind}]", aten.sum.dim_IntList, (t64(x2), [1], False), {},
+                    [sum_terms(x2, [1])], sequential=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["normal", "cancel-rows", "mixed", "drift"])
+def test_matmul_k4096(kind):
+    m, k, n = 8, 4096, 8
+    if kind == "cancel-rows":
+        a, b = cancelling_factors(m, k, n, seed=63)
+    elif kind == "drift":
+        a, b = drift_factors(m, k, n)
+    else:
+        a, b = data(kind, (m, k), 63), data(kind, (k, n), 64)
+    check_reduction(f"mm-K4096[{kind}]", aten.mm.default, (t64(a), t64(b)), {},
+                    [mm_terms(a, b)],
+                    extra={"numpy": lambda f, args, kw: t64(args[0].numpy() @ args[1].numpy())})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["normal", "cancel", "drift"])
+def test_huge_cumsum(kind):
+    check_cumsum(f"hugeK-{kind}", data(kind, (2, 2**16), 65), 1)
+
+
+SWEEPS = {  # name: (lo, hi) of a dense float32 sweep
+    "exp": (-745.2, 88.8), "log": (2.0**-149, 4.0), "log1p": (-0.999999, 10.0),
+    "expm1": (-40.0, 50.0), "tanh": (-20.0, 20.0), "sigmoid": (-709.7, 40.0),
+    "erf": (-6.0, 6.0), "erfc": (-6.0, 27.3), "rsqrt": (2.0**-149, 2.0**10),
+    "reciprocal": (-8.0, 8.0), "sin": (-1e4, 1e4), "cos": (-1e4, 1e4), "atan": (-30.0, 30.0),
+    "silu": (-709.7, 40.0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SWEEPS))
+def test_unary_functions_dense_sweep(name):
+    func, ref, numpy_fn, math_fn = UNARY[name]
+    lo, hi = SWEEPS[name]
+    rng = np.random.default_rng(67)
+    x = f32(np.concatenate([np.linspace(lo, hi, 6000), rng.uniform(lo, hi, 4000)]))
+    check_elementwise(f"{name}-sweep", func, [x], ref, numpy_fn, math_fn)
