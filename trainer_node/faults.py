@@ -41,7 +41,7 @@ from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_
 from protocol.codec.state import state_digest
 from protocol.engine.batches import batch_indices
 from protocol.engine.executor import Executor
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, OvtError
 from protocol.job.faults import KINDS, SERVING_KINDS, TRAINING_KINDS, Fault, one_ulp_off
 from protocol.job.run import StepHooks
 
@@ -71,7 +71,10 @@ def _effective_flip(ex: Executor, saved: dict[str, torch.Tensor], examples, log:
     for which in sites[:tries]:
         flipped, entry = _flip_entry(log, which)
         ex.load_state(saved)
-        ex.step(flipped, examples=examples)
+        try:
+            ex.step(flipped, examples=examples)
+        except OvtError:  # the flip moved a later logged element out of its band: try another
+            continue
         if state_digest(ex.state()) != state_digest(honest):
             return flipped, which, entry
     raise ConfigError("no direction entry of the step's rounding log changes S_t when flipped")

@@ -218,7 +218,8 @@ def _print_summary(args, policy, result: CheckResult) -> None:
               f"{1e3 * s['median_auditor_step_s']:.1f} ms auditor")
     if a.divergence:
         print(f"divergence between the profiles, per op (probed steps {args.probe_steps}), "
-              f"as a fraction of the certified bound e (conforming hardware: at most 1):")
+              f"as a fraction of the certified bound e (conforming hardware: at most 1; the "
+              f"adversary, which adds its proven bound on top, up to 1.5; the band absorbs 2):")
         rows = sorted(a.divergence.items(), key=lambda kv: -kv[1]["max_fraction_of_bound"])
         for op, d in rows:
             zero = f", {d['zero_bound_differing']} with bound 0 differ (UNSOUND)" \

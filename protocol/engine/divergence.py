@@ -111,12 +111,16 @@ class ComparingReplayer(SiteReplayer):
     def _compare(entry: OpDivergence, mine: torch.Tensor, theirs: torch.Tensor,
                  e: torch.Tensor | None) -> None:
         both = torch.isfinite(mine) & torch.isfinite(theirs)
-        diff = torch.where(both, (mine - theirs).abs(), 0.0)
+        # one side finite and the other not is a divergence without bound (both NaN, or equal
+        # infinities, are not)
+        same_special = ~both & ((mine == theirs) | (mine.isnan() & theirs.isnan()))
+        diff = torch.where(both, (mine - theirs).abs(),
+                           torch.where(same_special, 0.0, torch.inf))
         entry.elements += mine.numel()
         entry.differing += int((diff > 0).sum())
         bound = torch.zeros_like(diff) if e is None else e.detach().cpu().to(diff.dtype)
         entry.zero_bound_differing += int(((bound == 0) & (diff > 0)).sum())
         positive = bound > 0
         if bool(positive.any()):
-            worst = float((diff[positive] / bound[positive]).max())
+            worst = float(torch.nan_to_num(diff[positive] / bound[positive], nan=0.0).max())
             entry.max_fraction_of_bound = max(entry.max_fraction_of_bound, worst)

@@ -164,7 +164,8 @@ class RoundingMode(TorchDispatchMode):
                           for i, a in enumerate(args))
         wide_kwargs = {k: self._widen(func, v, k in names, writes, found)
                        for k, v in kwargs.items()}
-        if kwargs.get("dtype") == self.policy.target:  # a factory asked for the target dtype
+        requested = self._requested_dtype(func, kwargs)
+        if requested == self.policy.target:  # a factory or reduction asked for the target dtype
             wide_kwargs["dtype"], found[0] = self.policy.compute, True
         if not any(found):
             return self._no_float_inputs(func, rule, args, kwargs)
@@ -173,7 +174,20 @@ class RoundingMode(TorchDispatchMode):
         if writes and rule.reads_inputs:  # the rule needs what the op is about to overwrite
             inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
         out = self.compute(func, wide_args, wide_kwargs)
-        return self._round_results(func, rule, inputs, out, writes, keep_compute=not found[0])
+        keep_compute = requested == self.policy.compute or (requested is None and not found[0])
+        return self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
+
+    def _requested_dtype(self, func, kwargs) -> torch.dtype | None:
+        """The floating `dtype=` an op was asked for, if any; refuse one the policy does not
+        certify (SPEC §3.1)."""
+        dtype = kwargs.get("dtype")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            return None
+        if dtype not in (self.policy.target, self.policy.compute):
+            raise DeterminismError(
+                f"{op_name(func)} asks for {dtype} results inside a step; the precision policy "
+                f"{self.policy.name} certifies only its two dtypes (SPEC §3.1)")
+        return dtype
 
     def _reads_floats(self, args, kwargs) -> bool:
         dtypes = (self.policy.target, self.policy.compute)
@@ -198,8 +212,13 @@ class RoundingMode(TorchDispatchMode):
         compute-dtype floats (linspace, arange(0, 1, 0.1), int / int) is re-run in the compute
         dtype, with integer and boolean tensors widened, and rounded as a site (SPEC §3.2)."""
         out = func(*args, **kwargs)
-        made = {leaf.dtype for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)}
-        if not made & {self.policy.target, self.policy.compute}:
+        made = {leaf.dtype for leaf in tree_flatten(out)[0]
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+        if made - {self.policy.target, self.policy.compute}:
+            raise DeterminismError(
+                f"{op_name(func)} makes {sorted(map(str, made))} results inside a step; the "
+                f"precision policy {self.policy.name} certifies only its two dtypes (SPEC §3.1)")
+        if not made:
             self._forget_writes(func, args, kwargs)
             return out
         if rule is None:

@@ -126,17 +126,45 @@ def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPo
 def boundary_distance(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     """Exact absolute distance δ (float64) of each `y` from its nearest rounding boundary.
 
-    `r` is `y` rounded to nearest-even in the target dtype. The nearest boundary is the midpoint
-    between `r` and its neighbour on `y`'s side; that gap is `r`'s ULP, or half of it below a
-    power of two (where the binade changes). For `y == r` the smaller gap counts. The arithmetic
-    is float64 and exact: `y` and `r` are within one target ULP of each other (Sterbenz).
-    Meant for sparse use (the candidates of `band_candidates`, the logged elements in replay).
+    `r` is `y` rounded to nearest-even in the target dtype. The two boundaries around `r` are
+    the midpoints to its neighbours: half `r`'s ULP away from zero, and half the gap below it
+    toward zero — half of that ULP again when |r| is a power of two (the binade changes). The
+    nearest may lie on either side of `r`: just above a power of two the lower one is closer.
+    The arithmetic is float64, exact wherever `y` is within a factor 2 of the boundary (every
+    target-normal `y`: Sterbenz); only a `y` far below the smallest subnormal boundary is off
+    by a float64 rounding. Meant for sparse use (candidates, logged elements in replay).
     """
-    y64, r64 = y.to(torch.float64), r.to(torch.float64)
-    halve = _power_of_two(r, policy) & (y64.abs() <= r64.abs())
+    above, below = _boundary_gaps(y, r, policy)
+    return torch.minimum(above, below)
+
+
+def toward_boundary(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """+1 or -1 per element: the direction from `y` to its nearest rounding boundary.
+
+    Used by the bound adversary (profiles: `adversary`).
+    """
+    a, b = y.to(torch.float64).abs(), r.to(torch.float64).abs()
+    above, below = b + _half_gap_up(r, policy), b - _half_gap_down(r, policy)
+    nearest = torch.where((above - a).abs() <= (a - below).abs(), above, below)
+    sign = torch.where(torch.signbit(r), -1.0, 1.0)  # the sign of y: RNE keeps it, even at 0
+    return torch.where(nearest >= a, sign, -sign).to(y.dtype)
+
+
+def _half_gap_up(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    return target_ulp(r, policy) * 0.5
+
+
+def _half_gap_down(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     ulp = target_ulp(r, policy)
-    gap = torch.where(halve, ulp * 0.5, ulp)
-    return gap * 0.5 - (y64 - r64).abs()
+    return torch.where(_power_of_two(r, policy), ulp * 0.25, ulp * 0.5)
+
+
+def _boundary_gaps(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """|y|'s distances to the boundary above |r| and to the one below it (float64, exact).
+    Below a zero `r` the "boundary" is the negative one's mirror, never the nearest."""
+    a, b = y.to(torch.float64).abs(), r.to(torch.float64).abs()
+    return ((b + _half_gap_up(r, policy)) - a).abs(), (a - (b - _half_gap_down(r, policy))).abs()
 
 
 def _magnitude_bits(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
@@ -161,19 +189,6 @@ def target_ulp(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     exp_field = _magnitude_bits(r, policy) >> mant_bits
     return torch.ldexp(torch.ones(r.shape, dtype=torch.float64, device=r.device),
                        exp_field.clamp_min(1) - (fmt["target_bias"] + mant_bits))
-
-
-def toward_boundary(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    """+1 or -1 per element: the direction from `y` to its nearest rounding boundary.
-
-    The boundary is on `y`'s side of `r`; for `y == r` the side of the smaller gap (below a
-    power of two, toward zero). Used by the bound adversary (profiles: `adversary`).
-    """
-    y64, r64 = y.to(torch.float64), r.to(torch.float64)
-    away = torch.where(y64 == r64, ~_power_of_two(r, policy), y64.abs() > r64.abs())
-    sign = torch.where(r64 < 0, -1.0, 1.0)  # the sign of y (RNE keeps it, even at zero)
-    sign = torch.where(r64 == 0, torch.where(y64 < 0, -1.0, 1.0), sign)
-    return torch.where(away, sign, -sign).to(y.dtype)
 
 
 def rounded_up(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

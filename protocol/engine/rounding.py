@@ -83,7 +83,10 @@ def site_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | N
         else:
             parts.append(torch.full((y.numel(),), 0.0 if b is None else float(b), dtype=y.dtype,
                                     device=y.device))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    e = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # A bound that overflowed or is NaN certifies nothing: treat it as unbounded (always in
+    # the band, a value entry), never as "not in band".
+    return torch.where(torch.isfinite(e), e, torch.inf)
 
 
 def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -206,10 +209,12 @@ class SiteReplayer:
 
     def _apply_values(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
                       e: torch.Tensor | None) -> None:
-        """Set the value entries of `r` to the logged values, after checking validity: an honest
-        value is the trainer's rounding of a result within `2e` of this one, so it lies within
-        one target ULP plus `2e` of the replayed value; more than one ULP plus `4e'` is a
-        violation, and so is a value entry where the bound is 0."""
+        """Set the value entries of `r` to the logged values, after checking validity.
+
+        An honest value entry is the trainer's nearest-even rounding `v` of a result within `2e`
+        of this one, at an in-band (`δ ≤ 2e`) and wide (`16e ≥ ulp(v)`) element; so here
+        `δ' ≤ 4e'`, `32e' ≥ ulp(v)` and `|v − y'| ≤ ulp(v)/2 + 4e'` (margins of 2 on e'). A
+        value entry failing any of these, or where the bound is 0, is a violation."""
         if not site.value_indices.size:
             return
         idx = torch.from_numpy(site.value_indices).to(flat.device)
@@ -222,15 +227,18 @@ class SiteReplayer:
         yv = flat[idx]
         distance = (v.to(torch.float64) - yv.to(torch.float64)).abs()
         ev = torch.zeros_like(distance) if e is None else e[idx].to(torch.float64)
-        valid = (ev > 0) & (distance <= target_ulp(v, self.policy) + 4 * ev) & \
-            torch.isfinite(v) & torch.isfinite(yv)
+        ulp = target_ulp(v, self.policy)
+        in_band = boundary_distance(yv, yv.to(self.policy.target), self.policy) <= 4 * ev
+        valid = (ev > 0) & in_band & (2 * WIDE * ev >= ulp) & (distance <= ulp / 2 + 4 * ev) \
+            & torch.isfinite(v) & torch.isfinite(yv)
         bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
             raise LogViolationError(
                 self.step, self.position - 1, op, int(site.value_indices[k]), float(distance[k]),
-                float(ev[k]), note=f"its logged value {float(v[k]):.9g} is more than one target "
-                                   f"ULP plus 4e' from the replayed value")
+                float(ev[k]), note=f"its logged value {float(v[k]):.9g} is not a choice an honest "
+                                   f"machine had (it needs δ' <= 4e', 32e' >= ULP and the value "
+                                   f"within ULP/2 + 4e')")
         r[idx] = v
 
     def _where(self) -> str:

@@ -113,13 +113,10 @@ def reference(y: float, policy: PrecisionPolicy) -> Reference:
     return Reference(delta, rne, mids, across)
 
 
-# KNOWN BUG (protocol/engine/precision.py, boundary_distance and toward_boundary): both take
-# the nearest boundary to be the one on y's side of r. Just above a power of two (r = 2**k,
-# 0 < |y| - |r| < ulp(r) / 8) the nearest one is the midpoint *below* r, at r - ulp/4, and
-# boundary_distance returns ulp/2 - (|y| - |r|) instead of ulp/4 + (|y| - |r|). The general
-# tests below leave out exactly those elements (`Reference.across`); the strict xfail tests
-# `test_known_bug_*` cover them and start failing (XPASS) once the source is fixed: then delete
-# the exclusions.
+# Just above a power of two (r = 2**k, 0 < |y| - |r| < ulp(r) / 8) the nearest boundary is the
+# midpoint *below* r, at r - ulp/4, not the one on y's side (an earlier boundary_distance got
+# this wrong). The general tests below leave those elements (`Reference.across`) to the
+# dedicated tests `test_distance_just_above_a_power_of_two` and the recorder's test.
 def _regular(refs: list[Reference]) -> list[int]:
     return [i for i, ref in enumerate(refs) if not ref.across]
 
@@ -525,9 +522,7 @@ def test_nan_payload_in_band_bits_is_never_recorded():
 # -- KNOWN BUG: just above a power of two the nearest boundary is below it -------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG precision.boundary_distance/toward_boundary: "
-                   "just above a power of two the nearest boundary lies below r")
-def test_known_bug_distance_just_above_a_power_of_two(case):
+def test_distance_just_above_a_power_of_two(case):
     policy, y, r, refs = case
     across = [i for i, ref in enumerate(refs) if ref.across]
     assert len(across) >= 10  # the values include the case (edges of the form 2**k (1 + j u))
@@ -539,10 +534,8 @@ def test_known_bug_distance_just_above_a_power_of_two(case):
                for i, s in zip(across, direction, strict=True))
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG precision.boundary_distance: the recorder "
-                   "misses in-band elements just above a power of two")
 @pytest.mark.parametrize("policy", POLICIES)
-def test_known_bug_recorder_logs_an_element_just_above_a_power_of_two(policy):
+def test_recorder_logs_an_element_just_above_a_power_of_two(policy):
     """y = 1 + ulp/16: the nearest boundary is 1 - ulp/4, δ = 5/16 ulp. With e = 0.16 ulp
     (δ <= 2e) another honest machine, within e of y, can land below 1 - ulp/4 and round to
     1 - ulp/2: the element must be logged (as a value entry: 16e >= ulp)."""
