@@ -48,36 +48,39 @@ from protocol.job.run import StepHooks
 STALL_POLL_S = 0.1
 
 
-def _flip_entry(log: RoundingLog, which: int) -> tuple[RoundingLog, int]:
-    """`log` with the direction of the last entry of site `which` flipped; and that entry."""
+def _flip_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:
+    """`log` with the direction of entry `entry` of site `which` flipped."""
     site = log.sites[which]
     up = site.up.copy()
-    up[-1] = not up[-1]
+    up[entry] = not up[entry]
     changed = dataclasses.replace(site, up=up)
-    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:]), len(up) - 1
+    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:])
 
 
 def _effective_flip(ex: Executor, saved: dict[str, torch.Tensor], examples, log: RoundingLog,
-                    honest: dict[str, torch.Tensor], tries: int = 32
+                    honest: dict[str, torch.Tensor], tries: int = 64
                     ) -> tuple[RoundingLog, int, int]:
     """A flipped direction that changes S_t: (the flipped log, its site, its entry).
 
     With certified bands most logged elements are intermediate values (reductions that cancel)
     whose other rounding later ops absorb; such a flip is a legal move that changes nothing, not
-    a cheat. So the candidates — the last entry of each site with directions, latest site first
-    — are replayed from S_{t-1} until one gives another S_t. Leaves `ex` at that S_t.
+    a cheat. So candidates — every direction entry, latest site and entry first, at most
+    `tries` of them — are replayed from S_{t-1} until one gives another S_t (a flip that moves a
+    later logged element out of its band is skipped too). Leaves `ex` at that S_t.
     """
-    sites = [i for i in reversed(range(len(log.sites))) if log.sites[i].indices.size]
-    for which in sites[:tries]:
-        flipped, entry = _flip_entry(log, which)
+    candidates = [(which, entry) for which in reversed(range(len(log.sites)))
+                  for entry in reversed(range(log.sites[which].indices.size))]
+    for which, entry in candidates[:tries]:
+        flipped = _flip_entry(log, which, entry)
         ex.load_state(saved)
         try:
             ex.step(flipped, examples=examples)
-        except OvtError:  # the flip moved a later logged element out of its band: try another
+        except OvtError:
             continue
         if state_digest(ex.state()) != state_digest(honest):
             return flipped, which, entry
-    raise ConfigError("no direction entry of the step's rounding log changes S_t when flipped")
+    raise ConfigError(f"none of the {min(len(candidates), tries)} direction entries tried of "
+                      f"the step's rounding log changes S_t when flipped")
 
 
 def _drop_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:

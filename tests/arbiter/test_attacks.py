@@ -17,6 +17,7 @@ import pytest
 from auditor_node.faults import AuditorFaults
 from protocol.dispute.verdict import verify_verdict
 from protocol.engine.profiles import Profile
+from protocol.errors import ConfigError
 from protocol.job.faults import parse_fault
 from protocol.job.run import StepHooks
 from trainer_node.faults import TrainerFaults
@@ -47,7 +48,13 @@ def _assert_verdict(result, fault: str, step: int, n: int = STEPS) -> None:
 def test_a_cheating_trainer_is_at_fault_at_its_step(job, tmp_path, kind, position):
     spec, state0 = job
     hooks = TrainerFaults([parse_fault(f"{kind}:{position}")])
-    cheater = train(tmp_path / "trainer", spec, state0, hooks=hooks)
+    try:
+        cheater = train(tmp_path / "trainer", spec, state0, hooks=hooks)
+    except ConfigError as err:
+        # a flip every honest replay absorbs is a legal move, not a cheat: where a step of this
+        # tiny job has no other, there is nothing to catch (the other positions have one)
+        assert kind in ("log-flip", "log-drop") and "changes S_t" in str(err), err
+        pytest.skip(f"{kind}:{position}: {err}")
     dispute = audit(tmp_path / "auditor", cheater)
     assert dispute.challenge is not None and dispute.challenge.step == position
     result = settle(dispute)

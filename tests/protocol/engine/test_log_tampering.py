@@ -4,8 +4,9 @@ A trainer records three steps of image-cnn; the auditor replays them with doctor
 - an invented direction entry at an element far from any boundary (δ' > 4e'), or at a correctly
   rounded op (e' = 0), is a log violation naming step, site, op and element; so is another
   step's log, at its first site with entries;
-- a value entry moved by many ULPs is a violation; value and direction entries that name the
-  same rounding are interchangeable;
+- a value entry moved by many ULPs is a violation, and so is one invented far from a boundary
+  or at a narrow element (direction entries rewritten as values); value entries rewritten as
+  the directions that name them replay the same state on the trainer's profile;
 - flipped directions make the replay diverge at exactly that step; so does a log with its
   entries dropped, replayed by the bound adversary;
 - a log cut short, padded, or with a wrong site size is rejected as a mismatch;
@@ -306,8 +307,8 @@ def test_invented_value_entry_far_from_any_boundary_is_a_violation(recording):
     v_idx, values = _insert(site.value_indices, site.values.astype(np.int64), i,
                             int(other.view(torch.int32)[0]) & 0xFFFF_FFFF)
     forged = SiteLog(site.numel, site.indices, site.up, v_idx, values.astype(np.uint32))
-    # (what happens instead: the log is accepted and that parameter moves by the one ULP the
-    # trainer chose, so the trainer's doctored state replays as if it were honest)
+    # (an earlier replayer accepted it: that parameter moved by the one ULP the trainer chose,
+    # and the doctored state replayed as if it were honest)
     with pytest.raises(LogViolationError) as err:
         _replay_tampered(recording, _with_site(logs, k, forged))
     assert (err.value.step, err.value.site, err.value.index) == (TAMPERED_STEP, k, i)

@@ -90,7 +90,7 @@ class Reference:
     delta: Fraction  # exact distance to the nearest boundary
     rne: Fraction  # y rounded to nearest, ties to even
     boundaries: tuple[Fraction, ...]  # the boundaries near y
-    across: bool  # the nearest boundary lies across r = RNE(y) from y (see KNOWN BUG below)
+    across: bool  # the nearest boundary lies across r = RNE(y) from y (see below)
 
 
 def reference(y: float, policy: PrecisionPolicy) -> Reference:
@@ -115,10 +115,9 @@ def reference(y: float, policy: PrecisionPolicy) -> Reference:
 
 # Just above a power of two (r = 2**k, 0 < |y| - |r| < ulp(r) / 8) the nearest boundary is the
 # midpoint *below* r, at r - ulp/4, not the one on y's side (an earlier boundary_distance got
-# this wrong). The general tests below leave those elements (`Reference.across`) to the
-# dedicated tests `test_distance_just_above_a_power_of_two` and the recorder's test.
-def _regular(refs: list[Reference]) -> list[int]:
-    return [i for i, ref in enumerate(refs) if not ref.across]
+# this wrong). The general tests cover those elements (`Reference.across`) like any other; the
+# dedicated tests `test_distance_just_above_a_power_of_two` and the recorder's check that the
+# values really contain them.
 
 
 def ref_ulp(r: float, policy: PrecisionPolicy) -> Fraction:
@@ -268,8 +267,6 @@ def test_boundary_distance_is_exact(case):
     ulps = target_ulp(r, policy)
     exact = 0
     for got, ulp, v, ref in zip(d.tolist(), ulps.tolist(), y.tolist(), refs, strict=True):
-        if ref.across:
-            continue  # KNOWN BUG above
         assert got == float(ref.delta), v
         if ref.delta <= Fraction(ulp) / 4:
             assert Fraction(got) == ref.delta, v
@@ -342,8 +339,8 @@ def test_toward_boundary_points_at_the_nearest_boundary(case):
     assert direction.dtype == y.dtype and set(direction.unique().tolist()) <= {-1.0, 1.0}
     checked = 0
     for s, v, ref in zip(direction.tolist(), y.tolist(), refs, strict=True):
-        if ref.delta == 0 or ref.across:
-            continue  # y is a boundary: both ways leave it; or the KNOWN BUG above
+        if ref.delta == 0:
+            continue  # y is a boundary: both ways leave it
         assert Fraction(v) + int(s) * ref.delta in ref.boundaries, v
         checked += 1
     assert checked >= len(refs) // 2
@@ -476,7 +473,7 @@ def test_recorder_logs_exactly_the_reference_band(case):
     expected = _in_band(refs, e)
     logged = set(site.indices.tolist()) | set(site.value_indices.tolist())
     assert logged <= expected  # non-finite and overflowing elements (the last 4) are not
-    assert {i for i in expected if not refs[i].across} <= logged  # KNOWN BUG: `across` ones
+    assert expected <= logged
     assert rec.in_band == len(logged) == site.indices.size + site.value_indices.size
     ulps = target_ulp(r, policy).tolist()
     wide = {i for i in logged if WIDE * Fraction(float(e[i])) >= Fraction(ulps[i])}
@@ -519,7 +516,7 @@ def test_nan_payload_in_band_bits_is_never_recorded():
     assert site.indices.size == 0 and site.value_indices.size == 0 and rec.in_band == 0
 
 
-# -- KNOWN BUG: just above a power of two the nearest boundary is below it -------------------------
+# -- just above a power of two the nearest boundary is below it ---------------------------------
 
 
 def test_distance_just_above_a_power_of_two(case):

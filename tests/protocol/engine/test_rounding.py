@@ -489,10 +489,32 @@ def test_value_entry_far_from_a_boundary_is_a_violation(policy):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("entry", ["value", "direction"])
+def test_value_entry_at_a_narrow_element_is_a_violation(policy, entry):
+    """An exact midpoint (δ' = 0, in band) with 32e' < ulp: a trainer logs a direction entry
+    there, which names one of the two neighbours either way. A value entry could name any value
+    within ulp/2 + 4e'; it is only legal where e' is wide (32e' >= ulp)."""
+    ulp = ULP1[policy]
+    y = torch.tensor([1.0 + ulp / 2], dtype=policy.compute)
+    e = ulp / 64
+    upper = torch.tensor([1.0 + ulp], dtype=policy.target)
+    if entry == "value":
+        log = RoundingLog((site_log(1, value_indices=[0], values=value_bits(upper)),))
+        with pytest.raises(LogViolationError) as info:
+            SiteReplayer(policy, log, step=4).round_site("aten.mm.default", [y], [e])
+        assert (info.value.step, info.value.index, info.value.bound) == (4, 0, e)
+    else:
+        log = RoundingLog((site_log(1, [0], [True]),))
+        (r,) = SiteReplayer(policy, log, step=4).round_site("aten.mm.default", [y], [e])
+        assert torch.equal(bits(r), bits(upper))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_replay_just_above_a_power_of_two(policy):
-    """y = 1 + ulp/16 with e = 0.16 ulp: the nearest boundary is 1 - ulp/4, δ = 5/16 ulp <= 2e.
-    A machine 1.98e below (two conforming machines may be 2e apart) rounds to 1 - ulp/2; the
-    recorder, taking δ = 7/16 ulp (the boundary above), logs nothing, so the replay differs."""
+    """y = 1 + ulp/16 with e = 0.16 ulp: the nearest boundary is 1 - ulp/4 (below the power of
+    two), δ = 5/16 ulp <= 2e. A machine 1.98e below (two conforming machines may be 2e apart)
+    rounds to 1 - ulp/2 by itself, so the recorder must log the element (an earlier recorder,
+    taking δ = 7/16 ulp from the boundary above, logged nothing and the replay differed)."""
     ulp = ULP1[policy]
     y = [torch.tensor([1.0 + ulp / 16], dtype=policy.compute)]
     e = 0.16 * ulp
