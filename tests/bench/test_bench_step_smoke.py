@@ -16,11 +16,12 @@ def test_bench_step_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "bench/bench_step.py", "--preset", "test", "--steps", "3", "--warmup",
-         "1", "--repeats", "2", "--quiet", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "1", "--repeats", "2", "--programs", "image-cnn", "char-transformer", "--quiet",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert set(data["programs"]) == {"image-cnn", "char-transformer", "token-lm"}
+    assert set(data["programs"]) == {"image-cnn", "char-transformer"}
     for name, prog in data["programs"].items():
         for key in RATIOS:
             assert prog[key] > 0, (name, key)
