@@ -5,8 +5,8 @@ multi-head self-attention, then a 4x MLP with exact GELU), a final LayerNorm and
 linear head without bias (tying would make the head start at the embedding's N(0, 1) init,
 logits of standard deviation ~sqrt(d_model); untied, every parameter keeps `portable_init`'s
 distribution like the other built-ins). No dropout by default. Attention is spelled out as
-matmul, masked softmax, matmul, like "char-transformer", so CPU and CUDA run the same op sequence
-(the executor also pins SDPA to its math kernel, which decomposes the same way).
+matmul, masked softmax, matmul: the blocks are "char-transformer"'s own, so CPU and CUDA run the
+same op sequence (the executor also pins SDPA to its math kernel, which decomposes the same way).
 
 The data is a synthetic token corpus from `protocol.engine.rng` (no downloads, no tokenizer), the
 same tokens on every machine: documents of `DOC_LEN` tokens, each a random walk on a sparse
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from torch import nn
 
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
+from protocol.engine.programs.char_transformer import Block
 from protocol.engine.programs.validation import config_from_mapping, require
 from protocol.engine.rng import RandomStream
 
@@ -158,59 +158,6 @@ class TokenWindows:
 
 
 # --- the model ---------------------------------------------------------------------------------
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention written as matmul, masked softmax, matmul."""
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-        self.attn_drop = nn.Dropout(dropout)
-        self.resid_drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        hd = c // self.n_heads
-        q, k, v = self.qkv(x).split(c, dim=2)  # 3 x (B, T, C)
-        q = q.view(b, t, self.n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-        k = k.view(b, t, self.n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-        v = v.view(b, t, self.n_heads, hd).transpose(1, 2)  # (B, H, T, hd)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, H, T, T)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # (T, T)
-        att = att.masked_fill(~causal, float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))  # (B, H, T, T)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)  # (B, T, C)
-        return self.resid_drop(self.proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int, dropout: float) -> None:
-        super().__init__()
-        self.fc = nn.Linear(d_model, 4 * d_model)
-        self.gelu = nn.GELU(approximate="none")
-        self.out = nn.Linear(4 * d_model, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.out(self.gelu(self.fc(x))))  # (B, T, C)
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))  # (B, T, C)
-        return x + self.mlp(self.ln2(x))  # (B, T, C)
-
 
 class TokenLM(nn.Module):
     """Token + learned position embeddings, pre-LN blocks, final LayerNorm, untied linear head
