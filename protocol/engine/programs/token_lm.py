@@ -31,12 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.char_transformer import Block
+from protocol.engine.programs.char_transformer import Block, loss
 from protocol.engine.programs.validation import config_from_mapping, require
 from protocol.engine.rng import RandomStream
 
@@ -226,10 +225,3 @@ def make_optimizer(cfg: TokenLMConfig,
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=SGD_MOMENTUM,
                            weight_decay=cfg.weight_decay)
-
-
-def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position of every window."""
-    tokens = batch["tokens"]  # (B, T + 1)
-    logits = model(tokens[:, :-1])  # (B, T, vocab)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
