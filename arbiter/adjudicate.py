@@ -247,7 +247,7 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile:
     does, the `withheld` finding instead (L_i is the trainer's alone to serve; S_{i-1} and
     B_i either party could, so neither serving one is on both)."""
     i = dispute.step
-    batch_size = load_job_program(spec).batch_size
+    batch_size = load_job_program(spec, examples=False).batch_size  # no data file read here
     wanted = (  # what to ask, and `protocol.dispute.reexecute`'s own check of it (SPEC §5.3)
         (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s),
          lambda state: check_state(dispute, state)[1], "both"),

@@ -13,6 +13,7 @@ adjudicating stores copied from both nodes. Every failure to answer is a `NoAnsw
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -22,8 +23,9 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import join_chunks
 from protocol.codec.state import decode_state, load_safetensors
 from protocol.commit.commitments import Claim, SignedCommitment
-from protocol.commit.data import ProvenExample, commit_dataset, prove_examples
+from protocol.commit.data import ProvenExample, prove_examples
 from protocol.engine.batches import batch_indices
+from protocol.engine.datasets import commit_examples
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, NoAnswer, OvtError, StateFormatError
 from protocol.job.create import job_executor, load_job_program
@@ -125,10 +127,11 @@ def _counted(chunks, party: RemoteParty):
 
 
 class StoreParty:
-    """A party answering from its `JobStore` under its latest commitment (no network)."""
+    """A party answering from its `JobStore` under its latest commitment (no network); a job's
+    data file, to serve batches and regenerate states, is read inside `data_dir`."""
 
-    def __init__(self, role: str, store: JobStore) -> None:
-        self.role, self.store = role, store
+    def __init__(self, role: str, store: JobStore, data_dir: Path | None = None) -> None:
+        self.role, self.store, self.data_dir = role, store, data_dir
         self.bytes_received = 0
 
     def commitment(self, n: int, timeout_s: float) -> SignedCommitment:
@@ -150,15 +153,15 @@ class StoreParty:
 
     def state(self, step: int, timeout_s: float) -> dict[str, torch.Tensor]:
         spec = self.store.spec
-        ex = job_executor(spec, _REGENERATE)
+        ex = job_executor(spec, _REGENERATE, self.data_dir)
         try:
             return self.store.state_at(step, ex)
         except OvtError as err:
             raise NoAnswer(f"the {self.role} cannot produce S_{step}: {err}") from None
 
     def batch(self, step: int, timeout_s: float) -> list[ProvenExample]:
-        program = load_job_program(self.store.spec)
-        _, tree = commit_dataset(program.dataset)
+        program = load_job_program(self.store.spec, self.data_dir)
+        _, tree = commit_examples(program.dataset)
         spec = self.store.spec
         indices = batch_indices(spec.seed, len(program.dataset), program.batch_size, step)
         return prove_examples(program.dataset, tree, indices)

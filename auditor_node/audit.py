@@ -34,7 +34,7 @@ from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, OvtError, PeerError
 from protocol.files import atomic_write
-from protocol.job.create import DEFAULT_MAX_PARAMS, require_model_size
+from protocol.job.create import DEFAULT_MAX_PARAMS, locate_data_file, require_model_size
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -125,7 +125,7 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               allowed_programs: Collection[str] = (),
               max_params: int = DEFAULT_MAX_PARAMS,
               deadline_s: float = DEFAULT_DEADLINE_S,
-              hooks: StepHooks | None = None) -> AuditRecord:
+              hooks: StepHooks | None = None, data_dir: Path | None = None) -> AuditRecord:
     """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
 
     Returns a matched or diverged record. Raises ConfigError for a malformed job id or address,
@@ -134,7 +134,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
     trainer may not choose an arbitrary one), ResourceLimitError for a built-in model of more
     than `max_params` parameters (checked before it is built), ProgramError if this machine's
-    program source differs from the job's, StoreError for a damaged store; and whatever `progress`
+    program source differs from the job's, ConfigError for a job whose data file is not in
+    `data_dir` (or leaves it, or `data_dir` is None: checked before the job's store is made) or
+    differs from the committed one, StoreError for a damaged store; and whatever `progress`
     raises (the audit then resumes from the store on the next call).
 
     `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
@@ -147,12 +149,13 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
         spec = fetch_spec(channel, job_id, deadline_s)
         require_allowed(spec.program, allowed_programs, "auditor")
         require_model_size(spec, max_params)
+        locate_data_file(spec, data_dir)
         store = JobStore(store_root, spec)
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)
             try:
                 outcome = replay_job(store, source, key, profile=profile, progress=progress,
-                                     hooks=hooks)
+                                     hooks=hooks, data_dir=data_dir)
             finally:
                 source.close()
             return _record(channel, store, outcome, deadline_s)

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from proto.limits import add_limit_options, limits_of
-from protocol.cli.commands import run_command
+from protocol.cli.commands import add_data_dir_option, run_command
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
@@ -74,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                              help="the largest built-in model (in parameters, counted from the "
                                   "job's config before anything is built) a trainer's job may "
                                   "make this auditor build (default: %(default)s)")
+        add_data_dir_option(command)
         command.add_argument("--insecure-allow-remote-plaintext", action="store_true",
                              help=_PLAINTEXT_HELP)
         command.add_argument("--inject-fault", action="append", default=[], type=_fault,
@@ -111,6 +112,7 @@ def _serve(args) -> int:
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        limits=limits_of(args), max_params=_positive(args.max_params),
+                       data_dir=args.data_dir,
                        faults=tuple(args.inject_fault))  # it warns when faults are set
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -141,7 +143,7 @@ def _audit(args) -> int:
                        Profile.parse(args.profile), tls_ca=args.tls_ca,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        allowed_programs=args.allow_program, progress=_progress,
-                       max_params=_positive(args.max_params),
+                       max_params=_positive(args.max_params), data_dir=args.data_dir,
                        hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None)
     if sys.stderr.isatty() and 0 < record.replayed < record.steps:
         print(file=sys.stderr)  # end the progress line

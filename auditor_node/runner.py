@@ -68,11 +68,12 @@ class AuditRunner:
                  allowed_programs: Collection[str] = (),
                  max_params: int = DEFAULT_MAX_PARAMS,
                  audit: Callable[..., AuditRecord] = run_audit,
-                 hooks: StepHooks | None = None) -> None:
-        """`hooks`: FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
+                 hooks: StepHooks | None = None, data_dir: Path | None = None) -> None:
+        """`data_dir`: the folder jobs' data files are read in (None: a job with one fails).
+        `hooks`: FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
         every audit; None audits honestly."""
         self.store_root = Path(store_root)
-        self.hooks = hooks
+        self.hooks, self.data_dir = hooks, data_dir
         self.key, self.profile, self.tls_ca = key, profile, tls_ca
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
@@ -164,8 +165,10 @@ class AuditRunner:
                                  allow_remote_plaintext=self.allow_remote_plaintext,
                                  allowed_programs=self.allowed_programs,
                                  max_params=self.max_params,
-                                 # only when set: an `audit` stand-in need not know of hooks
-                                 **({} if self.hooks is None else {"hooks": self.hooks}))
+                                 # only when set: an `audit` stand-in need not know of these
+                                 **({} if self.hooks is None else {"hooks": self.hooks}),
+                                 **({} if self.data_dir is None else
+                                    {"data_dir": self.data_dir}))
         except Stopped:
             return  # no record: `recover` queues it again on the next start
         except OvtError as err:

@@ -30,6 +30,7 @@ the time taken, and exits 1 if any target found an input outside the two allowed
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -72,6 +73,7 @@ from protocol.dispute.evidence import decode_examples, encode_examples
 from protocol.dispute.reexecute import Reexecution
 from protocol.dispute.transcript import decode_transcript, encode_transcript, transcript_bytes
 from protocol.dispute.verdict import Verdict, sign_verdict
+from protocol.engine.datasets import DataFile
 from protocol.engine.precision import PrecisionPolicy
 from protocol.errors import OvtError
 from protocol.job.spec import JobSpec
@@ -375,6 +377,12 @@ def _spec() -> JobSpec:
                    seed=3, policy=PrecisionPolicy(), checkpoint_interval=4, commit_interval=4)
 
 
+def _data_file_spec() -> JobSpec:
+    """A spec on a user's token file (`protocol.engine.datasets.DataFile`)."""
+    return dataclasses.replace(_spec(), data_file=DataFile("tokens", "data/train.bin", "uint16",
+                                                           64))
+
+
 @dataclass(frozen=True)
 class _Party:
     leaves: list[Leaf]
@@ -461,7 +469,7 @@ TARGETS: tuple[Target, ...] = (
     Target("log", decode_log, reencodes(encode_log),
            lambda: [encode_log(log) for log in (_log(), *_value_logs())], BINARY),
     Target("job-spec", JobSpec.from_bytes, reencodes(JobSpec.to_bytes),
-           lambda: [_spec().to_bytes()], MSGPACK),
+           lambda: [_spec().to_bytes(), _data_file_spec().to_bytes()], MSGPACK),
     Target("signed-commitment", SignedCommitment.from_bytes,
            reencodes(SignedCommitment.to_bytes), lambda: [_dispute()[1].signed.to_bytes()],
            MSGPACK),

@@ -27,10 +27,10 @@ from proto.status import job_id_of, rpc_errors
 from protocol.codec.fields import MAX_UINT
 from protocol.codec.state import encode_state, load_safetensors, state_digest
 from protocol.commit.commitments import SignedCommitment
-from protocol.commit.data import commit_dataset
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree, verify_inclusion
 from protocol.engine.batches import batch_indices
+from protocol.engine.datasets import commit_examples
 from protocol.engine.profiles import Profile
 from protocol.errors import (
     NotFoundError,
@@ -82,6 +82,10 @@ LeafFault = Callable[[int, "ovt_pb2.LeafReply", grpc.ServicerContext], "ovt_pb2.
 class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     """The Claims service over the stores under one directory.
 
+    `data_dir` is the folder this node's operator offers data files in: a job with a data file
+    reads it there to serve its batches or regenerate a state (none: such a job's GetBatch, and
+    a GetCheckpoint that must regenerate, fail, saying why).
+
     `leaf_fault` is FAULT INJECTION only (a cheating trainer for tests and demos, see
     `trainer_node.faults`): when set, every unary GetLeaf answer passes through
     `leaf_fault(step, reply, context)`, which may forge it or stall. GetLeaves is left alone, so
@@ -89,8 +93,10 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     auditor's bulk download stays honest. An honest node leaves it None.
     """
 
-    def __init__(self, stores: StoreDirectory, *, leaf_fault: LeafFault | None = None) -> None:
+    def __init__(self, stores: StoreDirectory, *, data_dir: Path | None = None,
+                 leaf_fault: LeafFault | None = None) -> None:
         self.stores = stores
+        self.data_dir = data_dir
         self.leaf_fault = leaf_fault
         self._data_trees: dict[bytes, object] = {}
         self._trees: dict[tuple[bytes, int], MerkleTree] = {}  # committed leaves never change
@@ -171,7 +177,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         self._step(store, request.step)
         state = store.checkpoint(request.step)
         if state is None:  # not stored or damaged: regenerate from an earlier one (SPEC §4)
-            ex = job_executor(store.spec, _REGEN_PROFILE)
+            ex = job_executor(store.spec, _REGEN_PROFILE, self.data_dir)
             state = store.state_at(request.step, ex)
         yield from chunks(safetensors.torch.save(state))
 
@@ -189,9 +195,9 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
     def _data(self, spec: JobSpec):
         with self._data_lock:
             if spec.job_id not in self._data_trees:
-                program = load_job_program(spec)
+                program = load_job_program(spec, self.data_dir)
                 self._data_trees[spec.job_id] = (
-                    program.dataset, commit_dataset(program.dataset)[1], program.batch_size)
+                    program.dataset, commit_examples(program.dataset)[1], program.batch_size)
             return self._data_trees[spec.job_id]
 
     @staticmethod

@@ -60,6 +60,35 @@ def test_the_demo_verifies_the_honest_trainer_and_catches_the_cheat(tmp_path):
     assert "FAULT INJECTION" not in logs["honest-trainer.log"]
 
 
+SCHEDULED_JOB = """\
+program = "char-transformer"
+steps = 8
+seed = 2
+init_seed = 3
+checkpoint_interval = 4
+commit_interval = 8
+micro_batches = 4
+[config]
+warmup_steps = 4
+decay_steps = 4
+min_lr = 1e-4
+clip_grad_norm = 0.5
+"""
+
+
+@pytest.mark.slow  # ~1 min on 2 cores: the demo's three daemons on a transformer
+def test_a_scheduled_clipped_micro_batched_job_through_the_daemons(tmp_path):
+    """SPEC §3.5 end to end: a warm-up + cosine schedule, clipping and 4 micro-batches; the
+    honest trainer is verified, one that cuts the warm-up short from step 3 is caught there."""
+    (tmp_path / "scheduled.toml").write_text(SCHEDULED_JOB)
+    proc = _run("demo", "--job-file", tmp_path / "scheduled.toml", "--fault", "skip-warmup:3",
+                "--workdir", tmp_path / "work")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the trainer is at fault at step 3" in proc.stdout
+    verdict = verify_verdict((tmp_path / "work" / "verdict.ovtv").read_bytes())
+    assert (verdict.fault, verdict.step) == ("trainer", 3)
+
+
 @pytest.fixture
 def processes(tmp_path):
     """Launchers of trainer and auditor daemons; whatever is still running is killed at the

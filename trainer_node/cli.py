@@ -29,7 +29,7 @@ from proto import ovt_pb2, ovt_pb2_grpc
 from proto.limits import add_limit_options, limits_of
 from proto.serving import make_channel, make_self_signed_cert
 from proto.submit import submit_job
-from protocol.cli.commands import run_command
+from protocol.cli.commands import add_data_dir_option, run_command
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, PeerError
@@ -84,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-program", action="append", default=[], metavar="REF",
                        help="a user program (package.module:function or file.py:function) "
                             "clients may submit jobs for; built-ins are always allowed")
+    add_data_dir_option(serve)
     serve.add_argument("--port-file", type=Path, default=None,
                        help="write the bound port here (atomically) once serving")
     serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate chain")
@@ -163,7 +164,8 @@ def _serve(args) -> int:
         max_message_bytes=args.max_message_mb << 20, max_state_bytes=args.max_state_mb << 20,
         max_inflight_bytes=args.max_inflight_mb << 20, max_params=args.max_params,
         limits=limits_of(args),
-        allowed_programs=tuple(args.allow_program), faults=tuple(args.inject_fault)))
+        allowed_programs=tuple(args.allow_program), data_dir=args.data_dir,
+        faults=tuple(args.inject_fault)))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

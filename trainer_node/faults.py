@@ -10,6 +10,8 @@ training faults (applied through `protocol.job.run.StepHooks` while the job trai
     skip-step:k        step k does not train: S_k is S_{k-1} with its step counter set to k,
                        and L_k is the empty log
     lr:k               from step k on, every parameter group's learning rate is doubled
+    skip-warmup:k      from step k on, the learning-rate schedule runs one step ahead (the
+                       warm-up cut short); needs a program with a schedule
     swap-checkpoint:k  S_k is stored (and trained on) one ULP off at one model element
     log-flip:k         step k trains honestly, but L_k has one entry's direction flipped (one
                        whose flip changes S_k: most flips are absorbed by later rounding)
@@ -41,6 +43,7 @@ from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_
 from protocol.codec.state import state_digest
 from protocol.engine.batches import batch_indices
 from protocol.engine.executor import Executor
+from protocol.engine.schedules import advance
 from protocol.errors import ConfigError, OvtError
 from protocol.job.faults import KINDS, SERVING_KINDS, TRAINING_KINDS, Fault, one_ulp_off
 from protocol.job.run import StepHooks
@@ -180,6 +183,10 @@ class TrainerFaults(StepHooks):
                 for group in ex.optimizer.param_groups:
                     group["lr"] = group["lr"] * 2
                 self._lr_doubled.add(ex)
+        if self._at("skip-warmup", t):
+            if ex.scheduler is None:
+                raise ConfigError("skip-warmup: the program has no learning-rate schedule")
+            advance(ex.scheduler)
 
     def examples(self, t, examples):
         examples = list(examples)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from proto.claims import StoreDirectory
 from protocol.commit.keys import KeyPair
@@ -48,10 +49,12 @@ class JobRunner:
     """The trainer's job queue (`protocol.job.queue.JobQueue`) and the training it runs."""
 
     def __init__(self, stores: StoreDirectory, key: KeyPair, profile: Profile, *,
-                 hooks: StepHooks | None = None) -> None:
-        """`hooks`: FAULT INJECTION only (`trainer_node.faults`), passed to every `run_job`;
+                 hooks: StepHooks | None = None, data_dir: Path | None = None) -> None:
+        """`data_dir`: the folder jobs' data files are read in (None: a job with one fails).
+        `hooks`: FAULT INJECTION only (`trainer_node.faults`), passed to every `run_job`;
         None trains honestly."""
         self.stores, self.key, self.profile, self.hooks = stores, key, profile, hooks
+        self.data_dir = data_dir
         self._queue: JobQueue[JobStatus] = JobQueue("ovt-trainer-runner", self._run,
                                                     max_waiting=MAX_QUEUED, noun="jobs")
 
@@ -129,7 +132,8 @@ class JobRunner:
         self._queue.update(job_id, state=RUNNING, step=store.last_step())
         try:
             signed = run_job(store, self.key, profile=self.profile, hooks=self.hooks,
-                             progress=lambda step, _: self._progress(job_id, step))
+                             progress=lambda step, _: self._progress(job_id, step),
+                             data_dir=self.data_dir)
         except Stopped:
             self._queue.update(job_id, state=QUEUED)
             log.info("job %s: stopped at step %d; it resumes on restart", job_id.hex(),

@@ -50,6 +50,7 @@ class TrainerConfig:
     max_params: int = DEFAULT_MAX_PARAMS  # the largest built-in model a spec may ask for
     limits: ServerLimits = ServerLimits()  # worker threads, stream slots, stream idle timeout
     allowed_programs: tuple[str, ...] = field(default=())
+    data_dir: Path | None = None  # the folder jobs' data files are read in (None: refused)
     # FAULT INJECTION (tests and demos only): make this trainer cheat, see trainer_node.faults.
     faults: tuple[Fault, ...] = field(default=())
 
@@ -67,13 +68,15 @@ class TrainerNode:
             log.warning("FAULT INJECTION: this trainer CHEATS on purpose (%s); for tests and "
                         "demos of the dispute game only", ", ".join(map(str, config.faults)))
         self.runner = JobRunner(self.stores, config.key, config.profile,
-                                hooks=faults if faults and faults.training else None)
-        claims = ClaimsServicer(self.stores, leaf_fault=faults.leaf_fault
+                                hooks=faults if faults and faults.training else None,
+                                data_dir=config.data_dir)
+        claims = ClaimsServicer(self.stores, data_dir=config.data_dir,
+                                leaf_fault=faults.leaf_fault
                                 if faults and faults.serving else None)
         trainer = TrainerServicer(config.store, self.runner, config.allowed_programs,
                                   max_state_bytes=config.max_state_bytes,
                                   max_inflight_bytes=config.max_inflight_bytes,
-                                  max_params=config.max_params)
+                                  max_params=config.max_params, data_dir=config.data_dir)
         self.health = make_health()
         self.server, self.port = build_server(
             config.listen,

@@ -6,6 +6,7 @@ becomes a gRPC status with a one-line message (never a traceback):
     malformed spec, S_0 not safetensors, S_0 not hashing to h_0   INVALID_ARGUMENT
     job id not 32 bytes                                            INVALID_ARGUMENT
     program not allowed here, missing, or its source hash differs  FAILED_PRECONDITION
+    a data file not in the trainer's --data-dir (or none is given) FAILED_PRECONDITION
     a config the program rejects                                   FAILED_PRECONDITION
     the store holds another job under the same id (damaged)       FAILED_PRECONDITION
     a built-in model of more than `max_params` parameters          RESOURCE_EXHAUSTED
@@ -59,6 +60,7 @@ from protocol.job.create import (
     DEFAULT_MAX_PARAMS,
     check_program_source,
     load_job_program,
+    locate_data_file,
     require_model_size,
 )
 from protocol.job.spec import JobSpec
@@ -112,13 +114,15 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
     a program imports code on this machine, so a peer may never choose an arbitrary one.
     `max_state_bytes` bounds one S_0, `max_inflight_bytes` the S_0 bytes of all submissions in
     flight together, `max_params` the parameters of a built-in model a spec may ask for.
+    `data_dir` is the folder the operator offers data files in (None: a job with one is
+    refused).
     """
 
     def __init__(self, root: Path, runner: JobRunner, allowed_programs: Collection[str] = (),
                  max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                 max_params: int = DEFAULT_MAX_PARAMS) -> None:
-        self.root, self.runner = Path(root), runner
+                 max_params: int = DEFAULT_MAX_PARAMS, data_dir: Path | None = None) -> None:
+        self.root, self.runner, self.data_dir = Path(root), runner, data_dir
         self.max_state_bytes, self.max_params = max_state_bytes, max_params
         self.allowed_programs = frozenset(allowed_programs)
         self._inflight = ByteBudget(max_inflight_bytes)
@@ -236,13 +240,18 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
 
     def _check_program(self, spec: JobSpec) -> None:
         """Refuse a program this trainer may not load, whose source is not the committed one, or
-        whose config it rejects; and a built-in model of more than `max_params` parameters
-        (ResourceLimitError): all from the spec alone, before anything is built. A user program
-        (one the operator allowed) is built to check its config: only its code can tell."""
+        whose config it rejects; a built-in model of more than `max_params` parameters
+        (ResourceLimitError); and a data file that is not in this trainer's data folder (or
+        leaves it, or there is none): all from the spec alone, before anything is built or
+        read. A user program (one the operator allowed) is built to check its config: only its
+        code can tell. A data file's examples are checked against the job's commitment when
+        the job starts training (a mismatch fails the job, saying so)."""
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
+            locate_data_file(spec, self.data_dir)
             if require_model_size(spec, self.max_params) is None:
-                load_job_program(spec)  # a user program: checks the source, then builds
+                # a user program: checks the source, then builds (the data file unread)
+                load_job_program(spec, examples=False)
             else:
                 check_program_source(spec)
         except (ProgramError, ConfigError) as err:

@@ -4,9 +4,11 @@ running the subcommand argparse chose, with every expected failure as one line."
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from protocol.errors import OvtError
+from protocol.errors import ConfigError, OvtError
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -25,3 +27,31 @@ def run_command(prog: str, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def config_item(item: str) -> tuple[str, object]:
+    """One `--set KEY=VALUE` option: the value parsed as JSON where it is JSON (numbers,
+    booleans, lists), else kept as a string. Raises ConfigError for a missing '='."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def add_data_dir_option(parser: argparse.ArgumentParser) -> None:
+    """`--data-dir DIR`, the one option (trainer, auditor, `ovt job run|audit`) naming the folder
+    a node reads jobs' data files in; a path that is not a directory is a usage error."""
+    parser.add_argument("--data-dir", type=_directory, default=None, metavar="DIR",
+                        help="the folder jobs' data files are read in: a job's data path is "
+                             "relative to it and may not leave it (not even through a "
+                             "symbolic link); without it a job with a data file is refused")
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return path

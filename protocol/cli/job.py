@@ -6,6 +6,9 @@
     ovt job run job.ovtjob --store trainer-store --key trainer.key
     ovt job audit job.ovtjob --trainer-store trainer-store --store auditor-store \\
         --key auditor.key --profile emulated-gpu
+
+A job with a data file (a [data] section) needs `--data-dir DIR` to run or audit: the folder
+its path is relative to (the job file's folder at creation).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from pathlib import Path
 
 import safetensors.torch
 
+from protocol.cli.commands import add_data_dir_option
 from protocol.codec.state import load_safetensors, state_digest
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, StateFormatError, StoreError
 from protocol.files import atomic_write
 from protocol.job import create as jobcreate
-from protocol.job.create import create_job
+from protocol.job.create import create_job, locate_data_file
 from protocol.job.run import StoreSource, replay_job, run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -57,6 +61,7 @@ def add_commands(sub) -> None:
     run.add_argument("--store", type=Path, required=True, help="the trainer's store directory")
     run.add_argument("--key", type=Path, required=True, help="the trainer's key file")
     run.add_argument("--profile", default="cpu-2t", help="hardware profile (default: %(default)s)")
+    add_data_dir_option(run)
     run.set_defaults(run=_run)
     audit = jobs.add_parser("audit", help="replay a job from a trainer's store on this profile")
     audit.add_argument("spec", type=Path)
@@ -65,8 +70,8 @@ def add_commands(sub) -> None:
     audit.add_argument("--key", type=Path, required=True, help="the auditor's key file")
     audit.add_argument("--profile", default="emulated-gpu",
                        help="hardware profile (default: %(default)s)")
+    add_data_dir_option(audit)
     audit.set_defaults(run=_audit)
-
 
 
 def _keygen(args) -> int:
@@ -98,21 +103,23 @@ def _show(args) -> int:
 
 def _run(args) -> int:
     spec = _load_spec(args.spec)
+    locate_data_file(spec, args.data_dir)  # before a store is made for a job it cannot run
     store = JobStore(args.store, spec)
     if store.last_step() < 0:
         store.put_initial(_load_s0(args.spec, spec))
     signed = run_job(store, KeyPair.load(args.key), profile=Profile.parse(args.profile),
-                     progress=_progress)
+                     progress=_progress, data_dir=args.data_dir)
     print(f"job {spec.job_id.hex()}: {spec.steps} steps, root {signed.commitment.root.hex()}")
     return 0
 
 
 def _audit(args) -> int:
     spec = _load_spec(args.spec)
+    locate_data_file(spec, args.data_dir)
     trainer = JobStore.open(args.trainer_store, spec.job_id.hex())
     outcome = replay_job(JobStore(args.store, spec), StoreSource(trainer),
                          KeyPair.load(args.key), profile=Profile.parse(args.profile),
-                         progress=_progress)
+                         progress=_progress, data_dir=args.data_dir)
     if outcome.matches:
         print(f"job {spec.job_id.hex()}: replay MATCHES the trainer (root "
               f"{outcome.commitment.commitment.root.hex()})")

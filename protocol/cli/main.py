@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from protocol.cli import job as jobcli
-from protocol.cli.commands import run_command
+from protocol.cli import program as programcli
+from protocol.cli.commands import config_item, run_command
 from protocol.engine import profiles
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.programs.registry import BUILTIN, load_program
@@ -63,8 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--program", default="char-transformer",
                     help=f"built-in ({', '.join(BUILTIN)}), package.module:function or "
                          f"path/to/file.py:function (default: %(default)s)")
-    rc.add_argument("--preset", default="test",
-                    help="size preset of a built-in program: test or bench (default: %(default)s)")
+    rc.add_argument("--preset", default=None,
+                    help="size preset from the program's PRESETS, e.g. a built-in's test or "
+                         "bench (default: none, the program's own defaults; a built-in's "
+                         "defaults are its test preset)")
     rc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one program config field (value parsed as JSON if it can be)")
     rc.add_argument("--steps", type=int, default=50, help="training steps (default: %(default)s)")
@@ -74,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="ovt: rounded training with logs; plain: ordinary float32 (default: ovt)")
     rc.add_argument("--policy", default="float64->float32",
                     help="compute->target dtypes: float64->float32 or float32->bfloat16")
+    rc.add_argument("--micro-batches", type=int, default=1,
+                    help="split each batch into this many micro-batches whose gradients are "
+                         "summed (default: %(default)s)")
     rc.add_argument("--seed", type=int, default=0, help="job seed: data order, dropout")
     rc.add_argument("--init-seed", type=int, default=1, help="seed of the initial state S_0")
     rc.add_argument("--probe-steps", default="1",
@@ -83,23 +89,27 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     rc.set_defaults(run=_replay_check)
     jobcli.add_commands(sub)
+    programcli.add_commands(sub)
     return parser
 
 
 def _replay_check(args) -> int:
     if args.steps < 1:
         raise ConfigError("--steps must be at least 1")
+    if args.micro_batches < 1:
+        raise ConfigError("--micro-batches must be at least 1")
     policy = PrecisionPolicy.parse(args.policy)
     trainer_profile = profiles.Profile.parse(args.trainer_profile)
     auditor_profile = profiles.Profile.parse(args.auditor_profile)
     probe = _probe_steps(args.probe_steps, args.steps)
-    config = dict(_config_item(item) for item in args.set)
+    config = dict(config_item(item) for item in args.set)
     load_program(args.program, config, args.preset)  # bad program or config: fail before running
     with tempfile.TemporaryDirectory(prefix="ovt-replay-check-") as tmp:
         run_dir = str(args.run_dir or tmp)
         common = dict(program=args.program, preset=args.preset, config=config, seed=args.seed,
                       init_seed=args.init_seed, steps=args.steps, policy=args.policy,
-                      mode=args.mode, probe_steps=probe, run_dir=run_dir)
+                      mode=args.mode, probe_steps=probe, run_dir=run_dir,
+                      micro_batches=args.micro_batches)
         trainer = SideSpec(role="trainer", profile=args.trainer_profile, **common)
         auditor = SideSpec(role="auditor", profile=args.auditor_profile, **common)
         result = replay_check(trainer, auditor, None if args.json else _Progress(args.steps))
@@ -124,16 +134,6 @@ def _probe_steps(text: str, steps: int) -> tuple[int, ...]:
     if any(not 1 <= s <= steps for s in chosen):
         raise ConfigError(f"--probe-steps must lie in 1..{steps}")
     return chosen
-
-
-def _config_item(item: str) -> tuple[str, object]:
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-    try:
-        return key.strip(), json.loads(value)
-    except json.JSONDecodeError:
-        return key.strip(), value
 
 
 class _Progress:
@@ -177,8 +177,9 @@ def _json_report(args, policy, tp, ap, result: CheckResult) -> dict:
 
 def _print_report(args, policy, tp, ap, result: CheckResult) -> None:
     t, a = result.trainer, result.auditor
-    print(f"ovt replay-check: {args.program} (preset {args.preset}), {args.steps} steps, "
-          f"mode {args.mode}")
+    preset = f"preset {args.preset}" if args.preset else "its default config"
+    print(f"ovt replay-check: {args.program} ({preset}), {args.steps} steps, mode {args.mode}"
+          + (f", {args.micro_batches} micro-batches" if args.micro_batches > 1 else ""))
     if args.mode == "ovt":
         print(f"  policy {policy.name}, certified bands (bound rules v{policy.rules})")
     print(f"  trainer profile {tp.name} ({tp.describe()}); auditor profile {ap.name} "

@@ -215,7 +215,7 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     """
     started = time.perf_counter()
     step = dispute.step
-    program = load_job_program(spec)
+    program = load_job_program(spec, examples=False)  # B_i's examples are `examples`, checked
     prev_hash, problem = check_state(dispute, prev_state)
     digests, examples_problem = check_examples(spec, step, examples, program.batch_size)
     log_hash, log_problem = check_log(dispute, log)
@@ -229,7 +229,8 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
         return result("bad-evidence", problem)
 
     # Replay step i (SPEC §3.2 replay mode) on the arbiter's own profile.
-    ex = Executor(program, seed=spec.seed, policy=spec.policy, profile=profile)
+    ex = Executor(program, seed=spec.seed, policy=spec.policy, profile=profile,
+                  micro_batches=spec.micro_batches)
     try:
         ex.load_state(prev_state)
     except ConfigError as err:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.precision import PrecisionPolicy, target_ulp
 
 SAFETY = 2.0
 
@@ -237,6 +237,72 @@ def _linear(count: Callable[[tuple, dict, torch.Tensor], int]) -> RuleFn:
 
 def _sum_count(args, kwargs, y) -> int:
     return _terms_of_output(args[0], y)
+
+
+def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """A plain sum: the reduction rule, except where every order is exact (`_exact_where`)."""
+    x = args[0]
+    k = _sum_count(args, kwargs, ys[0])
+    s = func(*_abs(args), **{key: _abs_keyword(v) for key, v in kwargs.items()})
+    bound = ctx.sum_bound(k, s)
+    ulps = _target_ulps(ctx, x)
+    if ulps is None or not isinstance(bound, torch.Tensor):
+        return [bound]
+    dims = _arg(args, kwargs, 1, "dim", None) if func is not prims.sum.default else args[1]
+    keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
+    reduced = list(range(x.dim())) if not dims else _reduced(dims, x.dim())
+    m = ulps.amin(dim=reduced, keepdim=keepdim) if reduced else ulps
+    return [_exact_where(ctx, k, s, m, bound)]
+
+
+def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """Embedding backward: row w of the result sums the gradient rows of the positions whose
+    index is w — a reduction, exact where every order is (`_exact_where`, with `m` the
+    smallest ULP among the rows summed into each element)."""
+    [bound] = _linear(_embedding_backward_count)(ctx, func, args, kwargs, ys)
+    grad, indices = args[0], args[1]
+    ulps = _target_ulps(ctx, grad)
+    scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
+    if ulps is None or scale or not isinstance(bound, torch.Tensor) or not indices.numel():
+        return [bound]
+    rows = ulps.reshape(indices.numel(), -1)
+    m = torch.full(ys[0].shape, math.inf, dtype=rows.dtype, device=rows.device)
+    m.scatter_reduce_(0, indices.reshape(-1, 1).expand_as(rows), rows, "amin")
+    s = func(_abs(grad), *args[1:])
+    return [_exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), s, m, bound)]
+
+
+def _target_ulps(ctx, x) -> torch.Tensor | None:
+    """Each element's target ULP (float64; +inf for zeros), or None where `x` does not hold
+    target values (non-finite elements; never for the inputs of a step's sites)."""
+    if not isinstance(x, torch.Tensor) or not x.numel():
+        return None
+    narrow = x.to(ctx.policy.target)
+    if not torch.equal(narrow.to(x.dtype), x):
+        return None
+    return target_ulp(narrow, ctx.policy).masked_fill_(x == 0, math.inf)
+
+
+def _exact_where(ctx, k: int, s: torch.Tensor, m: torch.Tensor, bound: torch.Tensor
+                 ) -> torch.Tensor:
+    """`bound`, but 0 where a sum of at most `k` target values is exact in every order.
+
+    Each input is target-representable (SPEC §3.2), so it is an integer multiple of its own
+    target ULP, and every partial sum, in any order, is a multiple of `m`, the smallest ULP
+    among the nonzero terms, of magnitude at most `Σ|x|`. When `Σ|x| < 2^p · m` (p the compute
+    dtype's significand bits) every partial sum is exactly representable, so every order gives
+    the exact sum. That is the common case for short sums of like-sized values — micro-batch
+    gradients above all, where two float32 values in float64 sum exactly, often onto a target
+    midpoint, which the reduction rule would log although no machine can round it otherwise.
+    `Σ|x|` is the computed `S` times (1 + 2γ_K), which covers S's own rounding.
+    """
+    limit = 2.0 ** (ctx.policy.fmt["compute_mantissa"] + 1)
+    exact = s.to(torch.float64) * (1 + 2 * ctx.gamma(k)) < limit * m
+    return torch.where(exact.reshape(bound.shape), 0.0, bound)
+
+
+def _reduced(dims, ndim: int) -> list[int]:
+    return [d % ndim for d in ([dims] if isinstance(dims, int) else dims)]
 
 
 def _mean_count(args, kwargs, y) -> int:
@@ -457,11 +523,10 @@ def _table() -> dict[str, Rule]:
     add(["addcmul"], Rule("addcmul", _addcmul), foreach=True)
     add(["addcdiv"], Rule("addcdiv", _addcdiv), foreach=True)
     add(["lerp"], Rule("lerp", _lerp), foreach=True)
-    add(["sum"], Rule("sum", _linear(_sum_count)))
+    add(["sum"], Rule("sum", _sum))
     add(["mean"], Rule("mean", _linear(_mean_count)))
     add(["cumsum"], Rule("cumsum", _linear(_cumsum_count)))
-    add(["embedding_dense_backward"],
-        Rule("embedding-backward", _linear(_embedding_backward_count)))
+    add(["embedding_dense_backward"], Rule("embedding-backward", _embedding_backward))
     add(["index_add"], Rule("index-add", _linear(_source_count(3, "source", 2))))
     add(["scatter_add"], Rule("scatter-add", _linear(_source_count(3, "src", 1))))
     add(["index_put"], Rule("index-put-accumulate", _linear(_index_put_count)))

@@ -8,7 +8,8 @@ primitives' reductions differ in order — which their bounds cover.
 
 The decompositions are PyTorch's own (`torch._decomp`, what `torch.compile` lowers through), and
 a few written here where PyTorch's would reach a primitive without a rule (its variance is the
-fused `prims.var`) or has none (softmax.int, which SDPA's math kernel calls).
+fused `prims.var`) or has none (softmax.int, which SDPA's math kernel calls; `_foreach_norm`,
+which gradient clipping calls).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def log_softmax(x: torch.Tensor, dim: int, dtype=None) -> torch.Tensor:
     return aten._log_softmax.default(x if dtype is None else x.to(dtype), dim, False)
 
 
+def foreach_norm(tensors: list[torch.Tensor], ord=2, dtype=None) -> list[torch.Tensor]:
+    """_foreach_norm (what `clip_grad_norm_` calls): one `linalg_vector_norm` per tensor, each
+    decomposed in turn (for the 2-norm: |x|, squares, a sum, a square root)."""
+    return [aten.linalg_vector_norm.default(t, ord, dtype=dtype) for t in tensors]
+
+
+def native_dropout_backward(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The backward of a direct native_dropout call (served by `random_ops`): grad * scale
+    where the mask kept, else 0 (PyTorch's own goes through `type_as`, which has no rule)."""
+    return aten.where.ScalarOther(mask, aten.mul.Tensor(grad, scale), 0.0)
+
+
 def _unbiased(fn: Callable) -> tuple[Callable, Callable]:
     """The `unbiased=` overloads (.default and .dim) of var_mean, var and std, through `fn`."""
     def default(x, unbiased: bool = True):
@@ -75,6 +88,8 @@ def _unbiased(fn: Callable) -> tuple[Callable, Callable]:
 _OWN: dict[torch._ops.OpOverload, Callable] = {
     aten.softmax.int: softmax,
     aten.log_softmax.int: log_softmax,
+    aten.native_dropout_backward.default: native_dropout_backward,
+    aten._foreach_norm.Scalar: foreach_norm,
 }
 for _packet, _fn in ((aten.var_mean, var_mean), (aten.var, var), (aten.std, std)):
     _OWN[_packet.correction] = _fn

@@ -8,8 +8,9 @@ and runs training steps in one of three arithmetic modes:
 - "plain": ordinary training in the target dtype (what ovt exists to fix: it diverges);
 - "plain64": ordinary training with model and state in float64 (a benchmark baseline).
 
-Whatever the mode, a step's randomness comes from `protocol.engine.rng` (SPEC §3.4): dropout is
-replaced by the portable generator and device RNG ops are refused. Every backend switch that
+Whatever the mode, a step's randomness comes from `protocol.engine.rng` (SPEC §3.4): dropout,
+attention dropout and aten's RNG ops are served by the portable generator, keyed by (seed, step,
+call), or refused (`protocol.engine.random_ops`). Every backend switch that
 changes numbers (cuDNN, TF32, reduced-precision reductions, SDPA kernel choice) is pinned for
 the duration of the step and restored afterwards, never flipped globally.
 """
@@ -17,26 +18,31 @@ the duration of the step and restored afterwards, never flipped globally.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
+from torch.optim.lr_scheduler import LRScheduler
 
 from protocol.codec.roundinglog import RoundingLog
 from protocol.engine.batches import batch_indices
+from protocol.engine.initialization import load_initial_weights
 from protocol.engine.interceptor import RoundingMode, native_compute
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.rng import RandomStream
+from protocol.engine.random_ops import PortableRandomFunctions, PortableRandomOps, StepRandomness
 from protocol.engine.rounding import BoundAdversary, SiteRecorder, SiteReplayer
+from protocol.engine.schedules import advance, learning_rates, make_scheduler
 from protocol.engine.splitk import ReorderMode
-from protocol.errors import ConfigError, DeterminismError
+from protocol.errors import ConfigError
 
 MODES = ("ovt", "plain", "plain64")
+SCHEDULE_KEY = "schedule.lr"  # S_t's learning rate per parameter group, when there is a schedule
 
 # A step pins process-wide switches (backend flags, the intra-op thread count) and restores
 # them after; two steps in one process (a daemon regenerating S_t while it trains) must not
@@ -50,45 +56,6 @@ class StepResult:
     loss: float
     seconds: float
     log: RoundingLog | None  # the recorded log (record mode) or None
-
-
-class PortableDropout(TorchFunctionMode):
-    """Replaces `F.dropout` with a mask from the portable generator (SPEC §3.4).
-
-    The k-th dropout call of step t draws from RandomStream(seed, "dropout", t, k), so the masks
-    are the same bits on every device, thread count and torch version.
-    """
-
-    def __init__(self, seed: int, step: int) -> None:
-        super().__init__()
-        self.seed, self.step, self.calls = seed, step, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.dropout:
-            return self._dropout(*args, **kwargs)
-        if func in _UNSUPPORTED_DROPOUT:
-            raise DeterminismError(f"{func.__name__} is not supported inside an ovt step; use "
-                                   f"torch.nn.Dropout / F.dropout")
-        return func(*args, **kwargs)
-
-    def _dropout(self, input, p=0.5, training=True, inplace=False):
-        if not training or p == 0.0:
-            return input
-        if not 0.0 <= p <= 1.0:
-            raise ConfigError(f"dropout probability must be in [0, 1], got {p}")
-        keep = RandomStream(self.seed, "dropout", self.step, self.calls).keep_mask(
-            tuple(input.shape), 1.0 - p).to(input.device)
-        self.calls += 1
-        out = torch.where(keep, input * (1.0 / (1.0 - p)), 0.0) if p < 1.0 else input * 0.0
-        return input.copy_(out) if inplace else out
-
-
-_UNSUPPORTED_DROPOUT = (
-    torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
-    torch.nn.functional.dropout1d, torch.nn.functional.dropout2d, torch.nn.functional.dropout3d,
-    torch.dropout, torch.bernoulli,
-)
 
 
 @contextlib.contextmanager
@@ -115,9 +82,15 @@ class Executor:
     """Runs training steps of one program on one device under one profile."""
 
     def __init__(self, program: TrainingProgram, *, seed: int, policy: PrecisionPolicy,
-                 profile: Profile, mode: str = "ovt") -> None:
+                 profile: Profile, mode: str = "ovt", micro_batches: int = 1) -> None:
+        """Raises ConfigError for an unknown mode, a profile this machine cannot run, or a
+        batch that does not split into `micro_batches` equal parts (SPEC §3.5)."""
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if micro_batches < 1 or program.batch_size % micro_batches:
+            raise ConfigError(f"a batch of {program.batch_size} examples does not split into "
+                              f"{micro_batches} equal micro-batches")
+        self.micro_batches = micro_batches
         profile.check_runnable()
         self.program, self.seed, self.policy, self.profile, self.mode = (
             program, seed, policy, profile, mode)
@@ -128,34 +101,75 @@ class Executor:
             # nn.Module.to accepts memory_format at runtime; torch's overloads for it omit it
             self.model = self.model.to(  # type: ignore[call-overload]
                 memory_format=torch.channels_last)
+        clip = program.clip_grad_norm
+        if clip is not None and not (isinstance(clip, float) and 0 < clip < math.inf):
+            raise ConfigError(f"clip_grad_norm must be a positive finite float, got {clip!r}")
         self.optimizer = program.make_optimizer(self.model.parameters())
         _use_foreach(self.optimizer)
+        self.scheduler = self._fresh_schedule()
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         self.step_count = 0
         self._splitk = profile.reorder()
 
     # -- state ---------------------------------------------------------------------------------
 
-    def init_state(self, init_seed: int) -> None:
-        """Set S_0 from the portable generator (done once, by the trainer; SPEC §3.4)."""
+    def init_state(self, init_seed: int, weights: Path | None = None) -> None:
+        """Set S_0, once, by the trainer (SPEC §3.4): the model from the portable generator,
+        or from the safetensors `weights` (a fine-tune's pretrained model, `init_from`); no
+        optimizer state; the schedule at step 0. Raises ConfigError for weights that do not
+        fit the model, ProgramError for a model the portable init does not know."""
         with torch.no_grad():
-            self.program.init(self.model, init_seed)
+            if weights is None:
+                self.program.init(self.model, init_seed)
+            else:
+                load_initial_weights(self.model, weights)
         self.optimizer.state.clear()
+        self.scheduler = self._fresh_schedule()
         self.step_count = 0
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's part of S_t: its state dict, and its floating buffers that the state
+        dict leaves out (non-persistent ones, such as rotary-embedding frequencies, which the
+        model computes natively when it is built: their bits may differ between machines, so
+        S_0 ships the trainer's)."""
+        tensors = self.model.state_dict()
+        for name, buffer in self.model.named_buffers():
+            if name not in tensors and buffer.is_floating_point():
+                tensors[name] = buffer
+        return tensors
+
+    def _fresh_schedule(self) -> LRScheduler | None:
+        """The program's learning-rate schedule at step 0 (None without one); SPEC §3.5."""
+        if self.program.make_scheduler is None:
+            return None
+        with _STEP_LOCK:  # the schedule's portable math is process-wide while it runs
+            return make_scheduler(self.program.make_scheduler, self.optimizer)
 
     def state(self) -> dict[str, torch.Tensor]:
         """S_t as named CPU tensors (SPEC §2 "State")."""
-        out = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        out = {f"model.{k}": v.detach().cpu().clone() for k, v in self._model_tensors().items()}
         for p, st in self.optimizer.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
                     out[f"optim.{self._names[id(p)]}.{key}"] = value.detach().cpu().clone()
+        if self.scheduler is not None:
+            out[SCHEDULE_KEY] = learning_rates(self.optimizer)
         out["step"] = torch.tensor(self.step_count, dtype=torch.int64)
         return out
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Make the live model and optimizer hold exactly `state` (bits, not just values)."""
-        model_sd = self.model.state_dict()
+        """Make the live model, optimizer and schedule hold exactly `state` (bits, not just
+        values). The schedule is rebuilt and stepped to `state`'s step, and must then give the
+        learning rates `state` holds. Raises ConfigError for a state that does not fit."""
+        stray = [k for k in state if not k.startswith(("model.", "optim."))
+                 and k not in ("step", SCHEDULE_KEY)]
+        if stray or (SCHEDULE_KEY in state) != (self.scheduler is not None):
+            has = "has" if SCHEDULE_KEY in state else "has no"
+            raise ConfigError(f"state does not fit the program: unexpected {stray[:3]}" if stray
+                              else f"state {has} learning rates ({SCHEDULE_KEY}) but the "
+                                   f"program {'has no' if self.scheduler is None else 'has a'} "
+                                   f"schedule")
+        model_sd = self._model_tensors()
         expected = set(model_sd)
         given = {k.removeprefix("model.") for k in state if k.startswith("model.")}
         if given != expected:
@@ -188,6 +202,22 @@ class Executor:
             else:
                 self.optimizer.state[p][skey] = torch.empty_like(p).copy_(value)
         self.step_count = int(state["step"])
+        self._load_schedule(state)
+
+    def _load_schedule(self, state: dict[str, torch.Tensor]) -> None:
+        """Rebuild the schedule and step it to `step_count` (SPEC §3.5: the rates are a function
+        of the step alone); `state`'s committed rates must be exactly those."""
+        if self.scheduler is None:
+            return
+        self.scheduler = self._fresh_schedule()
+        assert self.scheduler is not None
+        with _STEP_LOCK:
+            advance(self.scheduler, self.step_count)
+        rates, given = learning_rates(self.optimizer), state[SCHEDULE_KEY]
+        if given.dtype != rates.dtype or given.shape != rates.shape or \
+                not torch.equal(given, rates):
+            raise ConfigError(f"the state's learning rates {given.tolist()} are not the "
+                              f"schedule's at step {self.step_count} ({rates.tolist()})")
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -232,11 +262,16 @@ class Executor:
         with _STEP_LOCK:
             start = time.perf_counter()  # the step's own time, not the wait for the lock
             self.optimizer.zero_grad(set_to_none=True)
-            with pinned_backends(), self.profile.applied(), self._arithmetic(arithmetic), \
-                    PortableDropout(self.seed, t):
-                loss = self.program.loss(self.model, batch)
-                loss.backward()
+            randomness = StepRandomness(self.seed, t)  # SPEC §3.4
+            with pinned_backends(), self.profile.applied(), \
+                    self._arithmetic(arithmetic, randomness), PortableRandomFunctions(randomness):
+                loss = self._gradients(batch)
+                if self.program.clip_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.program.clip_grad_norm, foreach=True)
                 self.optimizer.step()
+            if self.scheduler is not None:
+                advance(self.scheduler)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - start
@@ -244,15 +279,55 @@ class Executor:
             rounder.finish()
         self.step_count = t
         recorded = rounder.log() if isinstance(rounder, SiteRecorder) else None
-        return StepResult(t, float(loss.detach()), seconds, recorded)
+        return StepResult(t, loss, seconds, recorded)
 
-    def _arithmetic(self, rounder):
+    def _gradients(self, batch: dict[str, torch.Tensor]) -> float:
+        """Backward of the program's loss on `batch` into every parameter's `.grad`; returns
+        the loss (the mean of the micro-batches' losses).
+
+        With k micro-batches (SPEC §3.5) the batch is cut into k consecutive equal parts in
+        batch order; part i's loss, divided by k, is back-propagated alone, and each
+        parameter's gradient is the sum of the k parts' gradients taken as one reduction over
+        a stacked dimension — one site with a certified band (SPEC §3.2.1), so its bits do not
+        depend on where or in which order the parts were computed.
+        """
+        k = self.micro_batches
+        if k == 1:
+            loss = self.program.loss(self.model, batch)
+            loss.backward()
+            return float(loss.detach())
+        size = self.program.batch_size // k
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        parts: list[list[torch.Tensor | None]] = []
+        losses = []
+        for i in range(k):
+            micro = {name: t[i * size:(i + 1) * size] for name, t in batch.items()}
+            loss = self.program.loss(self.model, micro)
+            (loss / k).backward()
+            losses.append(float(loss.detach()))
+            parts.append([p.grad for p in params])
+            self.optimizer.zero_grad(set_to_none=True)
+        for j, p in enumerate(params):
+            grads = [part[j] for part in parts]
+            if all(g is None for g in grads):
+                continue
+            p.grad = torch.stack([torch.zeros_like(p) if g is None else g
+                                  for g in grads]).sum(dim=0)
+        return sum(losses) / k
+
+    def _arithmetic(self, rounder, randomness: StepRandomness):
         if self.mode == "ovt":
             compute = self._splitk or native_compute
-            return RoundingMode(self.policy, rounder, compute)
-        if self._splitk is not None:
-            return ReorderMode(self._splitk)
-        return contextlib.nullcontext()
+            return RoundingMode(self.policy, rounder, compute, randomness)
+        return self._plain_arithmetic(randomness)
+
+    @contextlib.contextmanager
+    def _plain_arithmetic(self, randomness: StepRandomness):
+        """Native arithmetic (re-ordered under an emulated profile) with the step's RNG ops
+        served; that mode is innermost, so what a served op computes is re-ordered too."""
+        reorder = contextlib.nullcontext() if self._splitk is None else ReorderMode(self._splitk)
+        with reorder, PortableRandomOps(randomness):
+            yield
 
 
 def _use_foreach(optimizer: torch.optim.Optimizer) -> None:

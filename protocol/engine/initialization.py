@@ -10,18 +10,22 @@ layers with `RandomStream(seed, "init", <qualified name>)`, one independent stre
     >>> portable_init(model, seed=7)   # same bits on every machine and thread count
 
 A module type not listed here that owns floating parameters or buffers raises `ProgramError`:
-the program must then supply its own `init`.
+the program must then supply its own `init`. A job may instead take `S_0`'s model from a file
+(`load_initial_weights`, the job file's `init_from`): a fine-tune from pretrained weights.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from protocol.codec.state import load_safetensors
 from protocol.engine.rng import RandomStream
-from protocol.errors import ProgramError
+from protocol.errors import ConfigError, ProgramError, StateFormatError
 
 _FAN_IN_UNIFORM = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -82,3 +86,67 @@ def _fan_in_bound(weight: torch.Tensor) -> float:
     """1/sqrt(fan_in), torch's bound for kaiming_uniform_(a=sqrt(5)) and the default bias."""
     fan_in = weight.shape[1] * math.prod(weight.shape[2:])
     return 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+
+
+def load_initial_weights(model: nn.Module, path: Path) -> int:
+    """Set every tensor of `model.state_dict()` from the safetensors weights at `path`, in
+    place: a `.safetensors` file, or a HuggingFace `save_pretrained` folder (its
+    `model.safetensors`, or the shards its `model.safetensors.index.json` names). Returns how
+    many tensors were read.
+
+    Values are converted to the model's dtype (exact from float16/bfloat16/float32; float64
+    rounds to nearest-even). A state-dict entry the file lacks is allowed only where it is the
+    same tensor as one the file has (tied weights, which `save_pretrained` writes once). Read
+    through `load_safetensors`, never pickle. Raises ConfigError for a missing or unreadable
+    file, a malformed one, an unknown, missing or misshapen tensor.
+    """
+    weights = _read_weights(Path(path))
+    expected = model.state_dict()
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        raise ConfigError(f"init_from {path}: tensors the model does not have: "
+                          f"{', '.join(unknown[:5])}{' …' if len(unknown) > 5 else ''}")
+    loaded = {expected[name].data_ptr() for name in weights}
+    missing = sorted(name for name, t in expected.items()
+                     if name not in weights and t.data_ptr() not in loaded)
+    if missing:
+        raise ConfigError(f"init_from {path}: no weights for {', '.join(missing[:5])}"
+                          f"{' …' if len(missing) > 5 else ''}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            target = expected[name]
+            if tuple(value.shape) != tuple(target.shape):
+                raise ConfigError(f"init_from {path}: {name} has shape {tuple(value.shape)}, "
+                                  f"the model's has {tuple(target.shape)}")
+            target.copy_(value.to(target.dtype))
+    return len(weights)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ConfigError(f"init_from {index}: not a safetensors index: {err}") from None
+            weights: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                if Path(shard).name != shard:
+                    raise ConfigError(f"init_from {index}: shard {shard!r} is not a file name "
+                                      f"in that folder")
+                weights.update(_read_file(path / shard))
+            return weights
+        path = path / "model.safetensors"
+    return _read_file(path)
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"init_from {path}: cannot read it: {err.strerror}") from None
+    try:
+        return load_safetensors(data)
+    except StateFormatError as err:
+        raise ConfigError(f"init_from {path}: {err}") from None

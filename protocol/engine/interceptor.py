@@ -15,7 +15,9 @@ optimizer code run unmodified. For each FLOAT op (see `optable`) with a bound ru
 
 A FLOAT op without a rule runs its decomposition (`decompositions`) under this same mode, so
 each primitive inside is its own site; one with neither is refused. EXACT ops run untouched on
-target-dtype tensors; RANDOM ops raise `DeterminismError`.
+target-dtype tensors. RANDOM ops are served from the step's portable generator, or refused with
+a `DeterminismError` naming them (`random_ops.serve_random_op`, SPEC §3.4): their values are
+exact, no site; only the arithmetic a served op does on its inputs runs here as sites.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from protocol.engine.bounds import BoundContext, Rule, bounds_for, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
 from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.random_ops import StepRandomness, serve_random_op
 from protocol.errors import DeterminismError
 
 Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
@@ -114,12 +117,15 @@ class RoundingMode(TorchDispatchMode):
 
     `rounder` is a `SiteRecorder` (record mode) or `SiteReplayer` (replay mode); anything with
     `round_site(op_name, [tensors], [bounds]) -> [tensors]` works (the divergence probe and the
-    bound adversary use that).
+    bound adversary use that). `randomness` serves the step's RANDOM ops; without it they are
+    refused.
     """
 
-    def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute):
+    def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute,
+                 randomness: StepRandomness | None = None):
         super().__init__()
         self.policy, self.rounder, self.compute = policy, rounder, compute
+        self.randomness = randomness
         self._round_scalar = _SCALAR_ROUNDERS[policy.target]
         self._widened = WidenCache(policy.compute)
         self._bounds = BoundContext(policy)
@@ -127,11 +133,9 @@ class RoundingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = op_kind(func)
-        if kind is OpKind.RANDOM:
-            raise DeterminismError(
-                f"{func} draws from a device random number generator inside a training step; "
-                f"steps must use protocol.engine.rng (SPEC §3.4). torch.nn.Dropout is handled for "
-                f"you.")
+        if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
+            with self:
+                return serve_random_op(func, args, kwargs, self.randomness)
         if kind is OpKind.EXACT and not accumulates(func, args, kwargs):
             name = func.overloadpacket.__name__
             if name in ("_to_copy", "copy_") and self._narrows(args, kwargs):

@@ -1,11 +1,13 @@
-"""Which aten ops are rounding sites, which are exact, and which are forbidden (SPEC §3.2, §3.4).
+"""Which aten ops are rounding sites, which are exact, and which draw random numbers (SPEC §3.2,
+§3.4).
 
 The step interceptor sits below autograd, so it sees every op of the forward pass, the backward
 pass and the optimizer alike. An op is classified once, by its schema and name:
 
 - EXACT: the result is bit-identical in any precision (views, copies, comparisons, max, relu,
   indexing, constant factories...). These run untouched on target-dtype tensors: no site.
-- RANDOM: draws from a device RNG, which is never allowed inside a step (SPEC §3.4).
+- RANDOM: draws from a device RNG, which never decides a value inside a step (SPEC §3.4): the
+  interceptor serves these from the portable generator, or refuses them (`random_ops`).
 - FLOAT: everything else. Computed in the compute dtype and rounded: one site per execution.
 
 FLOAT ops get a certified error bound from their rule (`bounds`), or are decomposed into ops
@@ -50,12 +52,16 @@ _EXACT = frozenset("""
     is_nonzero _assert_async equal allclose isclose sym_size sym_stride sym_numel sym_storage_offset
 """.split())
 
-# Device random number generators (SPEC §3.4): never inside a step.
+# Device random number generators (SPEC §3.4): served by `random_ops`, or refused. The
+# functional forms (uniform, normal_functional, ...) are what functionalization makes of the
+# in-place ones.
 _RANDOM = frozenset("""
     bernoulli bernoulli_ native_dropout _fused_dropout normal normal_ uniform_ rand rand_like
     randn randn_like randint randint_like randperm multinomial exponential_ geometric_
     log_normal_ cauchy_ random_ poisson rrelu_with_noise rrelu_with_noise_ _standard_gamma
     binomial _sample_dirichlet
+    uniform normal_functional random exponential geometric log_normal cauchy
+    rrelu_with_noise_functional
 """.split())
 
 

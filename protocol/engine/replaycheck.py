@@ -52,6 +52,7 @@ class SideSpec:
     mode: str  # "ovt" | "plain"
     probe_steps: tuple[int, ...]
     run_dir: str
+    micro_batches: int = 1
 
 
 @dataclass
@@ -75,7 +76,7 @@ def _executor(spec: SideSpec) -> Executor:
     program = load_program(spec.program, spec.config, spec.preset)
     policy = PrecisionPolicy.parse(spec.policy)
     return Executor(program, seed=spec.seed, policy=policy, profile=Profile.parse(spec.profile),
-                    mode=spec.mode)
+                    mode=spec.mode, micro_batches=spec.micro_batches)
 
 
 def run_side(spec: SideSpec, progress: Callable[[int], None] | None = None) -> SideResult:

@@ -5,7 +5,8 @@ bits depend on the device, the library version and sometimes the thread count. P
 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11 — the Random123 library) is
 pure 32-bit integer arithmetic, so numpy computes the same words on every machine.
 
-A `RandomStream` is keyed by (seed, *path), e.g. `RandomStream(job_seed, "dropout", step, site)`.
+A `RandomStream` is keyed by (seed, *path), e.g. `RandomStream(job_seed, "random", step, call)`
+(the stream of a step's served random ops, `random_ops`).
 Every method reads the stream from its first word, so two draws that must be independent need two
 paths. Floating-point outputs are built without transcendental functions (libm differs across
 machines) and rounded to float32 by numpy's IEEE conversion.
@@ -165,18 +166,58 @@ class RandomStream:
         z = total * _U24_SCALE - _IRWIN_HALL_TERMS / 2
         return _float32_tensor(mean + std * z, dims)
 
-    def keep_mask(self, shape: Shape, keep_prob: float) -> torch.Tensor:
-        """bool CPU tensor, True where word < round(keep_prob * 2**32) — an exact integer test.
+    def keep_mask(self, shape: Shape, keep_prob: float | np.ndarray) -> torch.Tensor:
+        """bool CPU tensor, True where word < keep_prob * 2**32 — an exact comparison in float64.
 
-        keep_prob = 1 keeps everything, 0 nothing. Raises ConfigError unless 0 <= keep_prob <= 1.
+        keep_prob is one probability or a float64 array of them broadcastable to `shape` (one per
+        element: Bernoulli draws with tensor probabilities). Scaling by 2**32 and widening a
+        uint32 word are exact in float64, so the test is exact: P(True) = ceil(p * 2**32) / 2**32,
+        within 2**-32 above p; keep_prob = 1 keeps everything, 0 nothing. Raises ConfigError
+        unless every probability is in [0, 1] (NaN included).
         """
         dims, n = _check_shape(shape)
-        keep_prob = _check_finite(keep_prob, "keep_prob")
-        if not 0.0 <= keep_prob <= 1.0:
-            raise ConfigError(f"keep_prob must be in [0, 1], got {keep_prob}")
-        threshold = np.uint64(round(keep_prob * 2.0**32))  # product exact: scaling by 2**32
-        mask = self.words(n).astype(np.uint64) < threshold
+        if isinstance(keep_prob, np.ndarray):
+            probs = keep_prob.astype(np.float64)
+            if not ((probs >= 0.0) & (probs <= 1.0)).all():
+                raise ConfigError("keep probabilities must be in [0, 1]")
+            try:
+                probs = np.broadcast_to(probs, dims)
+            except ValueError:
+                raise ConfigError(f"keep probabilities of shape {probs.shape} do not broadcast "
+                                  f"to {dims}") from None
+            threshold: np.ndarray | float = probs.reshape(-1) * 2.0**32
+        else:
+            keep_prob = _check_finite(keep_prob, "keep_prob")
+            if not 0.0 <= keep_prob <= 1.0:
+                raise ConfigError(f"keep_prob must be in [0, 1], got {keep_prob}")
+            threshold = keep_prob * 2.0**32  # exact: a power-of-two scaling
+        mask = self.words(n).astype(np.float64) < threshold
         return torch.from_numpy(mask.reshape(dims))
+
+    def integers(self, shape: Shape, low: int, high: int) -> np.ndarray:
+        """int64 array of integers in [low, high), -2**63 <= low < high <= 2**63.
+
+        Each element takes two words as a 64-bit x (first word high) and is low + floor(x *
+        span / 2**64), span = high - low, computed exactly in 32-bit limbs (`_mul_high`). Value
+        v is hit by floor or ceil of 2**64 / span of the 2**64 draws, so its probability is
+        within 2**-64 of 1 / span (relative bias below span * 2**-64; below 2**-32 for spans up
+        to 2**32); span = 2**64 takes x itself. Raises ConfigError for other bounds.
+        """
+        dims, n = _check_shape(shape)
+        for name, value in (("low", low), ("high", high)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ConfigError(f"integers needs an int {name}, got {value!r}")
+        low, high = int(low), int(high)
+        if not -(2**63) <= low < high <= 2**63:
+            raise ConfigError(f"integers needs -2**63 <= low < high <= 2**63, got [{low}, {high})")
+        span = high - low
+        pairs = self.words(2 * n).astype(np.uint64).reshape(n, 2)
+        if span == _U64_LIMIT:
+            offsets = (pairs[:, 0] << np.uint64(32)) | pairs[:, 1]
+        else:
+            offsets = _mul_high(pairs[:, 0], pairs[:, 1], span)
+        values = offsets + np.uint64(low % _U64_LIMIT)  # wraps mod 2**64: two's complement
+        return values.view(np.int64).reshape(dims)
 
     def permutation(self, n: int) -> np.ndarray:
         """int64 permutation of range(n): stable argsort of 64-bit keys (two words per element).
@@ -187,6 +228,16 @@ class RandomStream:
         pairs = self.words(2 * n).astype(np.uint64).reshape(n, 2)
         keys = (pairs[:, 0] << np.uint64(32)) | pairs[:, 1]
         return np.argsort(keys, kind="stable").astype(np.int64)
+
+
+def _mul_high(x_hi: np.ndarray, x_lo: np.ndarray, span: int) -> np.ndarray:
+    """floor(x * span / 2**64) for x = x_hi * 2**32 + x_lo (uint64 columns of 32-bit values) and
+    0 < span < 2**64: the high word of the 128-bit product, from four exact 32x32-bit products."""
+    mask = np.uint64(_MASK32)
+    s_hi, s_lo = np.uint64(span >> 32), np.uint64(span & _MASK32)
+    lo_lo, hi_lo, lo_hi, hi_hi = x_lo * s_lo, x_hi * s_lo, x_lo * s_hi, x_hi * s_hi
+    middle = (lo_lo >> np.uint64(32)) + (hi_lo & mask) + (lo_hi & mask)  # < 3 * 2**32
+    return hi_hi + (hi_lo >> np.uint64(32)) + (lo_hi >> np.uint64(32)) + (middle >> np.uint64(32))
 
 
 def _float32_tensor(values: np.ndarray, dims: tuple[int, ...]) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Making a job: a `JobSpec` and its S_0 from a job file; loading the program a spec names.
 
-A user writes a small TOML file (program, config, steps, seed, precision, intervals);
-`create_job` turns it into a `JobSpec` by loading the program, hashing its source, committing to
-its dataset and producing the initial state S_0 once, from the portable generator (SPEC §3.4:
-S_0 is committed by `h_0` and shipped, never re-derived on another machine).
+A user writes a small TOML file (program, config, steps, seed, precision, intervals, and
+optionally a data file); `create_job` turns it into a `JobSpec` by loading the program, hashing
+its source, committing to its dataset (or the data file's examples) and producing the initial
+state S_0 once, from the portable generator or from pretrained weights (SPEC §3.4: S_0 is
+committed by `h_0` and shipped, never re-derived on another machine).
 `job_id = sha256(canonical JobSpec)`.
 
 Example job file:
@@ -15,15 +16,38 @@ Example job file:
     init_seed = 1                    # S_0 (used once, at creation)
     checkpoint_interval = 50
     commit_interval = 50
+    micro_batches = 1                # optional: gradients summed over this many parts of a batch
+    init_from = "pretrained"         # optional: S_0's model from a safetensors file or a
+                                     # save_pretrained folder (relative to this file), not init_seed
     [config]                         # program config overrides
     lr = 0.003
     [precision]                      # optional; these are the defaults
     compute = "float64"
     target = "float32"
+    [data]                           # optional: train on a file instead of the program's data
+    kind = "tokens"                  # a flat token file: .bin (raw little-endian) or .npy
+    path = "data/train.bin"          # relative to this job file's folder (no "..", no "/x")
+    dtype = "uint16"                 # .bin only: "uint16" or "int32" (a .npy's header says)
+    window = 32                      # example i = tokens[i*window : i*window + window + 1]
+
+or, for a safetensors file of named tensors sharing their first dimension (example i is
+{name: t[i]}, e.g. "image" (N, 3, 16, 16) float32 and "label" (N,) int64 for image-cnn):
+
+    [data]
+    kind = "tensors"
+    path = "data/train.safetensors"
+
+A data file's examples must have the field names, dtypes and shapes of the program's own
+(char-transformer and token-lm take "tokens" windows of seq_len + 1: window = seq_len). The spec
+commits to them like to a built-in's (a Merkle root over per-example hashes) and names the file
+by its relative path: the trainer and the auditor read it inside the folder their operator gives
+with `--data-dir` (`ovt job run|audit --data-dir` here), and refuse a job whose file is not
+there, leaves that folder or differs from the committed one. The arbiter never reads it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tomllib
 from pathlib import Path
@@ -31,8 +55,20 @@ from pathlib import Path
 import torch
 
 from protocol.codec.dtypes import DTYPES
+from protocol.codec.fields import abbrev
 from protocol.codec.state import state_digest
-from protocol.commit.data import commit_dataset
+from protocol.commit.data import DataCommitment
+from protocol.engine.datasets import (
+    TOKENS,
+    AbsentExamples,
+    DataFile,
+    commit_examples,
+    normal_path,
+    npy_token_dtype,
+    open_data_file,
+    require_same_fields,
+    resolve_data_path,
+)
 from protocol.engine.executor import Executor
 from protocol.engine.precision import RULES_VERSION, PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -43,18 +79,79 @@ from protocol.job.spec import JobSpec, count, typed
 
 DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a peer's spec may ask for (1 GiB f32)
 _JOB_KEYS = {"program", "preset", "steps", "seed", "init_seed", "checkpoint_interval",
-             "commit_interval", "config", "precision"}
+             "commit_interval", "micro_batches", "init_from", "config", "precision", "data"}
 _PRECISION_KEYS = {"compute", "target", "rules"}
+_DATA_KEYS = {"tokens": {"kind", "path", "dtype", "window"}, "tensors": {"kind", "path"}}
 
 
-def load_job_program(spec: JobSpec) -> TrainingProgram:
+def load_job_program(spec: JobSpec, data_dir: Path | None = None, *,
+                     examples: bool = True) -> TrainingProgram:
     """Load the program `spec` names, after checking its source is the one committed to.
 
+    A job with a data file trains on the file's examples instead of the program's own: the file
+    is read inside `data_dir` (the folder this node's operator offers) and checked to have the
+    fields of the program's own examples and to be the file `spec.data` commits to. With
+    `examples=False` (the arbiter: it takes each batch's examples from the parties, checked
+    against `spec.data`) the file is not read, and the program's dataset cannot be read either.
+
     Raises ProgramError if the source differs (or the program cannot be loaded), ConfigError if
-    its config is not valid for it.
+    its config is not valid for it, or for a data file that `data_dir` is None for, that leaves
+    `data_dir`, is missing or unreadable, has other fields, or differs from the committed one.
     """
     check_program_source(spec)
-    return load_program(spec.program, spec.config)
+    program = load_program(spec.program, spec.config)
+    if spec.data_file is None:
+        return program
+    if not examples:
+        return dataclasses.replace(program,
+                                   dataset=AbsentExamples(spec.data_file, spec.data.count))
+    locate_data_file(spec, data_dir)
+    assert data_dir is not None  # locate_data_file refuses a job with a data file without one
+    program = with_data_file(program, spec.data_file, data_dir)
+    require_committed_data(spec.data_file, program, spec.data)
+    return program
+
+
+def locate_data_file(spec: JobSpec, data_dir: Path | None) -> Path | None:
+    """Where this node finds `spec`'s data file inside `data_dir` (None for a job on its
+    program's own dataset): a cheap check, before anything is read or built. Raises
+    ConfigError when this node offers no data folder (a peer's spec must never make a node read
+    a file its operator did not offer), the path leaves the folder, or no file is there."""
+    if spec.data_file is None:
+        return None
+    shown = f"{spec.data_file.describe()} of job {spec.job_id.hex()[:16]}…"
+    if data_dir is None:
+        raise ConfigError(f"{shown} cannot be read: this node was given no data folder "
+                          f"(--data-dir) to find it in")
+    path = resolve_data_path(data_dir, spec.data_file.path)
+    if not path.is_file():
+        raise ConfigError(f"{shown} is not in the data folder {data_dir}")
+    return path
+
+
+def with_data_file(program: TrainingProgram, data_file: DataFile,
+                   data_dir: Path) -> TrainingProgram:
+    """`program` with the examples of `data_file` (inside `data_dir`) as its dataset. Raises
+    ConfigError for a bad file, examples with other fields than the program's own, or fewer
+    examples than one batch."""
+    source = open_data_file(data_file, data_dir)
+    shown = data_file.describe()
+    require_same_fields(source, program.dataset, shown)
+    if len(source) < program.batch_size:
+        raise ConfigError(f"{shown} holds {len(source)} examples, fewer than one batch of "
+                          f"{program.batch_size}")
+    return dataclasses.replace(program, dataset=source)
+
+
+def require_committed_data(data_file: DataFile, program: TrainingProgram,
+                           committed: DataCommitment) -> None:
+    """The program's dataset (the examples of `data_file`) is the one `committed` commits to.
+    Raises ConfigError naming the file when it is not."""
+    data, _ = commit_examples(program.dataset)
+    if data != committed:
+        raise ConfigError(f"{data_file.describe()} differs from the one this job committed to "
+                          f"(its examples give root {abbrev(data.root)} over {data.count}, the "
+                          f"job's is {abbrev(committed.root)} over {committed.count})")
 
 
 def check_program_source(spec: JobSpec) -> None:
@@ -82,13 +179,18 @@ def require_model_size(spec: JobSpec, max_params: int) -> int | None:
     return params
 
 
-def job_executor(spec: JobSpec, profile: Profile) -> Executor:
-    """An executor for `spec`'s program, seed and precision on `profile` (holding no state)."""
-    return Executor(load_job_program(spec), seed=spec.seed, policy=spec.policy, profile=profile)
+def job_executor(spec: JobSpec, profile: Profile, data_dir: Path | None = None) -> Executor:
+    """An executor for `spec`'s program, seed and precision on `profile` (holding no state);
+    a data file is read inside `data_dir` (raises as `load_job_program`)."""
+    return Executor(load_job_program(spec, data_dir), seed=spec.seed, policy=spec.policy,
+                    profile=profile, micro_batches=spec.micro_batches)
 
 
 def create_job(job_file: Path) -> tuple[JobSpec, dict[str, torch.Tensor]]:
-    """Build a JobSpec and its initial state S_0 from a TOML job file."""
+    """Build a JobSpec and its initial state S_0 from a TOML job file (the format is in the
+    module docstring; a [data] path is read relative to the job file's folder). Raises
+    ConfigError for a file that cannot be read or holds a bad key or value, a bad data file,
+    or a config the program rejects; ProgramError if the program cannot be loaded."""
     try:
         request = tomllib.loads(Path(job_file).read_text())
     except OSError as err:
@@ -101,6 +203,7 @@ def create_job(job_file: Path) -> tuple[JobSpec, dict[str, torch.Tensor]]:
                           f"allowed: {', '.join(sorted(_JOB_KEYS))}")
     if "program" not in request or "steps" not in request:
         raise ConfigError("a job file needs at least 'program' and 'steps'")
+    job_dir = Path(job_file).parent
     return build_job(
         program=typed(request["program"], str, "program"),
         config=typed(request.get("config", {}), dict, "config"),
@@ -110,23 +213,43 @@ def create_job(job_file: Path) -> tuple[JobSpec, dict[str, torch.Tensor]]:
         policy=_policy(request.get("precision", {})),
         checkpoint_interval=count(request.get("checkpoint_interval", 50), 1,
                                    "checkpoint_interval"),
-        commit_interval=count(request.get("commit_interval", 50), 1, "commit_interval"))
+        commit_interval=count(request.get("commit_interval", 50), 1, "commit_interval"),
+        micro_batches=count(request.get("micro_batches", 1), 1, "micro_batches"),
+        data_file=_data_file(request["data"], job_dir) if "data" in request else None,
+        data_dir=job_dir,
+        init_from=job_dir / typed(request["init_from"], str, "init_from")
+        if "init_from" in request else None)
 
 
 def build_job(*, program: str, config: dict, preset: str | None, steps: int, seed: int,
               init_seed: int, policy: PrecisionPolicy, checkpoint_interval: int,
-              commit_interval: int) -> tuple[JobSpec, dict[str, torch.Tensor]]:
-    """The JobSpec and S_0 for a program (the library form of `ovt job create`)."""
+              commit_interval: int, micro_batches: int = 1,
+              data_file: DataFile | None = None, data_dir: Path | None = None,
+              init_from: Path | None = None) -> tuple[JobSpec, dict[str, torch.Tensor]]:
+    """The JobSpec and S_0 for a program (the library form of `ovt job create`); with
+    `data_file`, on the examples of that file inside `data_dir`; with `init_from`, S_0's model
+    from those safetensors weights (a file or a `save_pretrained` folder) instead of the
+    portable init from `init_seed`.
+
+    Raises ConfigError for a config the program rejects, a batch that does not split into
+    `micro_batches` equal parts, a bad data file (as `with_data_file`) or weights that do not
+    fit the model; ProgramError if the program cannot be loaded.
+    """
     instance = load_program(program, config, preset)
-    ex = Executor(instance, seed=seed, policy=policy, profile=Profile("create"))
-    ex.init_state(init_seed)
+    if data_file is not None:
+        if data_dir is None:
+            raise ConfigError(f"{data_file.describe()}: no folder given to read it in")
+        instance = with_data_file(instance, data_file, data_dir)
+    ex = Executor(instance, seed=seed, policy=policy, profile=Profile("create"),
+                  micro_batches=micro_batches)
+    ex.init_state(init_seed, weights=init_from)
     state0 = ex.state()
-    data, _ = commit_dataset(instance.dataset)
+    data, _ = commit_examples(instance.dataset)
     spec = JobSpec(
         program=program, program_source_hash=hashlib.sha256(program_source(program)).digest(),
         config=dict(instance.config), data=data, h0=state_digest(state0), steps=steps,
         seed=seed, policy=policy, checkpoint_interval=checkpoint_interval,
-        commit_interval=commit_interval)
+        commit_interval=commit_interval, micro_batches=micro_batches, data_file=data_file)
     return spec, state0
 
 
@@ -143,3 +266,33 @@ def _policy(section: dict) -> PrecisionPolicy:
     return PrecisionPolicy(compute, target, section.get("rules", RULES_VERSION))
 
 
+def _data_file(section: dict, job_dir: Path) -> DataFile:
+    """The [data] section as a DataFile; a .npy token file's dtype comes from its header."""
+    typed(section, dict, "[data]")
+    kind = section.get("kind")
+    if not isinstance(kind, str) or kind not in _DATA_KEYS:
+        raise ConfigError(f"[data] kind must be one of {', '.join(_DATA_KEYS)}, got {kind!r}")
+    unknown = set(section) - _DATA_KEYS[kind]
+    if unknown:
+        raise ConfigError(f"unknown keys in [data] of kind {kind!r}: "
+                          f"{', '.join(sorted(unknown))}; allowed: "
+                          f"{', '.join(sorted(_DATA_KEYS[kind]))}")
+    if "path" not in section:
+        raise ConfigError("[data] needs a path (relative to the job file's folder)")
+    path = normal_path(section["path"])
+    if kind != TOKENS:
+        return DataFile(kind, path)
+    dtype = section.get("dtype")
+    if path.endswith(".npy"):
+        shown = f"data file {path!r} ({job_dir / path})"
+        header = npy_token_dtype(resolve_data_path(job_dir, path), shown)
+        if dtype is not None and dtype != header:
+            raise ConfigError(f"[data] dtype is {dtype!r}, but {shown} holds {header} ids")
+        dtype = header
+    elif dtype is None:
+        raise ConfigError("[data] dtype is needed for a .bin token file: uint16 or int32")
+    if "window" not in section:
+        raise ConfigError("[data] needs a window for a token file (example i is tokens "
+                          "[i*window : i*window + window + 1])")
+    return DataFile(kind, path, typed(dtype, str, "[data] dtype"),
+                    count(section["window"], 1, "[data] window"))

@@ -15,8 +15,8 @@ import torch
 
 from protocol.errors import ConfigError
 
-TRAINING_KINDS = ("relabel", "swap-examples", "skip-step", "lr", "swap-checkpoint",
-                  "log-flip", "log-invent", "log-drop")
+TRAINING_KINDS = ("relabel", "swap-examples", "skip-step", "lr", "skip-warmup",
+                  "swap-checkpoint", "log-flip", "log-invent", "log-drop")
 SERVING_KINDS = ("forge-leaf", "stall")
 KINDS = TRAINING_KINDS + SERVING_KINDS  # a trainer's faults
 AUDITOR_KINDS = ("false-challenge",)  # a lying auditor's (auditor_node.faults)

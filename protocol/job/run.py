@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -81,17 +82,19 @@ def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitmen
 
 
 def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
-            progress: Progress | None = None, hooks: StepHooks | None = None
-            ) -> SignedCommitment:
+            progress: Progress | None = None, hooks: StepHooks | None = None,
+            data_dir: Path | None = None) -> SignedCommitment:
     """Train the store's job to its last step (resuming where the store stops) and sign.
 
-    `hooks` (fault injection only, see `StepHooks`) may alter each step and what is stored.
+    A job with a data file reads it inside `data_dir` (ConfigError without one, or for a file
+    that is not the committed one: `protocol.job.create.load_job_program`). `hooks` (fault
+    injection only, see `StepHooks`) may alter each step and what is stored.
     """
     spec = store.spec
     last = store.last_step()
     if last < 0:
         raise StoreError("the job store holds no initial state; store S_0 first (put_initial)")
-    ex = job_executor(spec, profile)
+    ex = job_executor(spec, profile, data_dir)
     store.state_at(last, ex)
     for t in range(last + 1, spec.steps + 1):
         if hooks is None:
@@ -160,12 +163,12 @@ class AuditOutcome:
 
 
 def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: Profile,
-               progress: Progress | None = None, hooks: StepHooks | None = None
-               ) -> AuditOutcome:
+               progress: Progress | None = None, hooks: StepHooks | None = None,
+               data_dir: Path | None = None) -> AuditOutcome:
     """Replay the trainer's job on this profile into the auditor's own store, and sign.
 
-    `hooks` (fault injection only, see `StepHooks`) may alter each replayed step and what the
-    auditor stores.
+    A job with a data file reads it inside `data_dir`, as `run_job` does. `hooks` (fault
+    injection only, see `StepHooks`) may alter each replayed step and what the auditor stores.
     """
     spec = store.spec
     trainer = source.commitment()
@@ -176,7 +179,7 @@ def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: P
             raise StoreError("the trainer's S_0 does not hash to the job's h_0")
         store.put_initial(state0)
     last = store.last_step()
-    ex = job_executor(spec, profile)
+    ex = job_executor(spec, profile, data_dir)
     store.state_at(last, ex)
     divergent, reason = _first_mismatch(store, source, last)
     t = last

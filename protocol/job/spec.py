@@ -15,6 +15,7 @@ from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.codec.fields import require_version
 from protocol.commit.data import DataCommitment
 from protocol.commit.hashing import HASH_SIZE
+from protocol.engine.datasets import DataFile
 from protocol.engine.precision import PrecisionPolicy
 from protocol.errors import ConfigError, EncodingError
 
@@ -31,6 +32,10 @@ class JobSpec:
     policy: PrecisionPolicy
     checkpoint_interval: int
     commit_interval: int
+    micro_batches: int = 1
+    # Where the examples come from: None, the program's own dataset; else a user's file, which
+    # `data` commits to (protocol.engine.datasets).
+    data_file: DataFile | None = None
     protocol_version: int = field(default=PROTOCOL_VERSION)
 
     def to_body(self) -> dict:
@@ -40,6 +45,7 @@ class JobSpec:
             "program_source_hash": self.program_source_hash,
             "config": self.config,
             "data": self.data.to_body(),
+            "data_file": None if self.data_file is None else self.data_file.to_body(),
             "h0": self.h0,
             "steps": self.steps,
             "seed": self.seed,
@@ -48,6 +54,7 @@ class JobSpec:
                           "rules": self.policy.rules},
             "checkpoint_interval": self.checkpoint_interval,
             "commit_interval": self.commit_interval,
+            "micro_batches": self.micro_batches,
         }
 
     def to_bytes(self) -> bytes:
@@ -84,6 +91,9 @@ class JobSpec:
                                        count(prec["rules"], 1)),
                 checkpoint_interval=count(body["checkpoint_interval"], 1),
                 commit_interval=count(body["commit_interval"], 1),
+                micro_batches=count(body["micro_batches"], 1),
+                data_file=None if body["data_file"] is None else
+                DataFile.from_body(body["data_file"]),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as err:
             raise EncodingError(f"not a valid job spec: {err}") from None

@@ -16,8 +16,10 @@ import pytest
 
 from auditor_node.faults import AuditorFaults
 from protocol.dispute.verdict import verify_verdict
+from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
+from protocol.job.create import build_job
 from protocol.job.faults import parse_fault
 from protocol.job.run import StepHooks
 from trainer_node.faults import TrainerFaults
@@ -60,6 +62,43 @@ def test_a_cheating_trainer_is_at_fault_at_its_step(job, tmp_path, kind, positio
     result = settle(dispute)
     _assert_verdict(result, "trainer", position)
     assert result.verdict.finding == TRAINING_CHEATS[kind]
+
+
+@pytest.fixture(scope="module")
+def scheduled_job():
+    """A job with a warm-up + cosine schedule, clipping and 2 micro-batches (SPEC §3.5)."""
+    return build_job(program="char-transformer", preset="test", steps=6, seed=0, init_seed=1,
+                     config={"warmup_steps": 4, "decay_steps": 4, "min_lr": 1e-4,
+                             "clip_grad_norm": 0.5},
+                     policy=PrecisionPolicy(), checkpoint_interval=2, commit_interval=6,
+                     micro_batches=2)
+
+
+@pytest.mark.parametrize("position", (4,))
+def test_a_trainer_that_cuts_the_warmup_short_is_at_fault_at_that_step(scheduled_job, tmp_path,
+                                                                        position):
+    spec, state0 = scheduled_job
+    honest = audit(tmp_path / "honest-auditor", train(tmp_path / "honest", spec, state0))
+    assert honest.challenge is None  # the schedule, clipping and micro-batches replay exactly
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault(f"skip-warmup:{position}")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    assert dispute.challenge is not None and dispute.challenge.step == position
+    result = settle(dispute)
+    _assert_verdict(result, "trainer", position, n=6)
+    # another rate moves the update (wrong-state) and, early on, elements the log named
+    assert result.verdict.finding in ("wrong-state", "invalid-log")
+
+
+def test_a_lying_auditor_loses_against_an_honest_scheduled_trainer(scheduled_job, tmp_path):
+    """The arbiter re-executes the job's step as the job defines it — schedule, clipping and
+    micro-batches included — so the honest trainer wins."""
+    spec, state0 = scheduled_job
+    trainer = train(tmp_path / "trainer", spec, state0)
+    dispute = audit(tmp_path / "auditor", trainer,
+                    hooks=AuditorFaults([parse_fault("false-challenge:3")]))
+    assert dispute.challenge is not None and dispute.challenge.step == 3
+    _assert_verdict(settle(dispute), "auditor", 3, n=6)
 
 
 class UndecodableLog(StepHooks):

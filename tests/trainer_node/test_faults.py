@@ -112,7 +112,7 @@ def test_base_hooks_change_nothing(job, tmp_path):
 
 
 @pytest.mark.parametrize("k", [1, MIDDLE, STEPS])
-@pytest.mark.parametrize("kind", TRAINING_KINDS)
+@pytest.mark.parametrize("kind", [kind for kind in TRAINING_KINDS if kind != "skip-warmup"])
 def test_a_training_fault_cheats_at_k_and_an_audit_catches_it_there(job, tmp_path, kind, k):
     faulty = _train(job, tmp_path / "trainer", TrainerFaults([Fault(kind, k)]))
     _assert_cheats_at(job, faulty, k, kind)
@@ -122,6 +122,12 @@ def test_a_training_fault_cheats_at_k_and_an_audit_catches_it_there(job, tmp_pat
     assert outcome.first_divergent_step == k
     assert outcome.reason.startswith(EXPECTED_REASON[kind].format(k=k)), outcome.reason
     assert not outcome.matches
+
+
+def test_skip_warmup_needs_a_schedule(job, tmp_path):
+    # the cheat itself, on a job with a schedule: tests/arbiter/test_attacks.py
+    with pytest.raises(ConfigError, match="has no learning-rate schedule"):
+        _train(job, tmp_path, TrainerFaults([Fault("skip-warmup", 2)]))
 
 
 def test_skip_step_stores_the_previous_state_with_the_step_counter(job, tmp_path):

@@ -6,8 +6,9 @@ executor owns everything that must be deterministic (rounding, randomness, batch
 hashing); the program only says *what* to train.
 
 Rules a program must follow (SPEC §3.4, §3.5):
-- no device RNG inside `loss` (dropout through `torch.nn.Dropout` / `F.dropout` is fine: the
-  executor replaces it with the portable generator);
+- randomness inside `loss` only through what the executor serves from the portable generator
+  (`protocol.engine.random_ops`): the dropouts, SDPA's dropout_p, torch.rand / randn / randint /
+  randperm / bernoulli / normal / uniform_ and their kin; other RNG ops are refused;
 - the model's initial parameters come from `init(model, seed)`, which uses `protocol.engine.rng`
   only, never torch's default initialisers (their bits depend on the CPU instruction set);
 - examples are CPU tensors; the executor moves batches to the device.
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from protocol.commit.data import ExampleSource
+from protocol.engine.schedules import SchedulerFactory
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class TrainingProgram:
         tensor of shape (batch_size, ...).
     init: `init(model, seed)` sets every parameter and buffer from the portable generator.
     config: the normalised config (plain JSON-able values) that built this program.
+    make_scheduler: optional; builds a `torch.optim.lr_scheduler` scheduler on the optimizer,
+        stepped once per step after the update (`protocol.engine.schedules` says which).
+    clip_grad_norm: optional; the gradients' global 2-norm is clipped to it between backward
+        and update (`torch.nn.utils.clip_grad_norm_`, rounded like every other op).
     """
 
     name: str
@@ -44,6 +50,8 @@ class TrainingProgram:
     batch_size: int
     init: Callable[[torch.nn.Module, int], None]
     config: Mapping[str, Any]
+    make_scheduler: SchedulerFactory | None = None
+    clip_grad_norm: float | None = None
 
 
 ProgramFactory = Callable[[Mapping[str, Any]], TrainingProgram]

@@ -28,6 +28,7 @@ from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
 from protocol.engine.programs.validation import config_from_mapping, require
 from protocol.engine.rng import RandomStream
+from protocol.engine.schedules import warmup_cosine
 
 NAME = "char-transformer"
 OPTIMIZERS = ("adamw", "sgd")
@@ -56,6 +57,10 @@ class CharTransformerConfig:
     weight_decay: float = 0.01
     corpus_chars: int = 20_000
     seed: int = 0
+    warmup_steps: int = 0  # learning-rate schedule: linear warm-up, then cosine decay to min_lr
+    decay_steps: int = 0
+    min_lr: float = 0.0
+    clip_grad_norm: float = 0.0  # the gradients' global 2-norm is clipped to this (0: off)
 
     def __post_init__(self) -> None:
         require(1 <= self.n_heads <= self.d_model <= 8192, NAME,
@@ -73,6 +78,10 @@ class CharTransformerConfig:
         require((self.corpus_chars - 1) // self.seq_len >= self.batch_size, NAME,
                 "corpus_chars must give at least batch_size windows of seq_len + 1 characters")
         require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
+        require(self.warmup_steps >= 0 and self.decay_steps >= 0, NAME,
+                "warmup_steps and decay_steps must be >= 0")
+        require(0 <= self.min_lr <= self.lr, NAME, "min_lr must be in [0, lr]")
+        require(self.clip_grad_norm >= 0, NAME, "clip_grad_norm must be >= 0 (0: no clipping)")
 
 
 # --- the corpus --------------------------------------------------------------------------------
@@ -268,6 +277,8 @@ def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
         batch_size=cfg.batch_size,
         init=portable_init,
         config=dataclasses.asdict(cfg),
+        make_scheduler=warmup_cosine(cfg.warmup_steps, cfg.decay_steps, cfg.min_lr),
+        clip_grad_norm=cfg.clip_grad_norm or None,
     )
 
 

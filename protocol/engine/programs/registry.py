@@ -1,7 +1,8 @@
 """Finding a training program from a reference string, and the source bytes a job spec hashes.
 
 A reference is one of
-- a built-in name: "image-cnn", "char-transformer", "token-lm";
+- a built-in name: "image-cnn", "char-transformer", "token-lm", "hf-causal-lm" (the last needs
+  the optional `hf` extra, transformers, which its module imports only when it builds);
 - "package.module:function", imported with importlib;
 - "path/to/file.py:function", loaded from that file.
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from protocol.engine.programs import char_transformer, image_cnn, token_lm
+from protocol.engine.programs import char_transformer, hf_causal_lm, image_cnn, token_lm
 from protocol.engine.programs.base import ProgramFactory, TrainingProgram
 from protocol.errors import ConfigError, OvtError, ProgramError
 
@@ -31,16 +32,19 @@ BUILTIN: dict[str, ProgramFactory] = {
     image_cnn.NAME: image_cnn.build,
     char_transformer.NAME: char_transformer.build,
     token_lm.NAME: token_lm.build,
+    hf_causal_lm.NAME: hf_causal_lm.build,
 }
 _BUILTIN_MODULES: dict[str, ModuleType] = {
     image_cnn.NAME: image_cnn,
     char_transformer.NAME: char_transformer,
     token_lm.NAME: token_lm,
+    hf_causal_lm.NAME: hf_causal_lm,
 }
 _PARAMETER_COUNTS: dict[str, Callable[[Mapping[str, Any] | None], int]] = {
     image_cnn.NAME: image_cnn.parameter_count,
     char_transformer.NAME: char_transformer.parameter_count,
     token_lm.NAME: token_lm.parameter_count,
+    hf_causal_lm.NAME: hf_causal_lm.parameter_count,
 }
 
 

@@ -2,7 +2,8 @@
 
 Built-in programs share this: unknown keys, wrong types and non-finite numbers are `ConfigError`
 with the program name in the message; range checks live in each dataclass's `__post_init__`
-(through `require`).
+(through `require`). A dict-typed field takes a mapping of plain values (what the canonical
+encoding holds: None, bool, int, finite float, str, lists and str-keyed maps of those), copied.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ C = TypeVar("C", bound="DataclassInstance")
 
 
 def config_from_mapping(cls: type[C], mapping: Mapping[str, Any] | None, program: str) -> C:
-    """Build `cls` (a dataclass with int/float/str fields) from `mapping`, checking every value.
+    """Build `cls` (a dataclass with int/float/str/dict fields) from `mapping`, checking every
+    value.
 
-    Ints are accepted for float fields (and converted); bools are never accepted as numbers.
+    Ints are accepted for float fields (and converted); bools are never accepted as numbers. A
+    dict field's value is deep-copied into plain dicts and lists (see the module docstring).
     Raises ConfigError for a non-mapping, an unknown key, a wrong type or a failed range check.
     """
     if mapping is None:
@@ -56,5 +59,32 @@ def _check_type(program: str, name: str, value: Any, expected: type) -> Any:
         return value
     if expected is str and isinstance(value, str):
         return value
+    if typing.get_origin(expected) is dict or expected is dict:
+        require(isinstance(value, Mapping), program,
+                f"{name} must be a mapping, got {type(value).__name__} {value!r}")
+        return _plain(program, name, value)
     raise ConfigError(f"{program}: {name} must be {expected.__name__}, "
                       f"got {type(value).__name__} {value!r}")
+
+
+def _plain(program: str, where: str, value: Any) -> Any:
+    """A deep copy of `value` as plain dicts, lists and scalars; ConfigError naming the first
+    place holding anything else (a non-str key, a NaN or infinity, an object)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        require(-(2**63) <= value < 2**64, program, f"{where} is out of range: {value!r}")
+        return int(value)
+    if isinstance(value, float):
+        require(math.isfinite(value), program, f"{where} must be finite, got {value!r}")
+        return float(value)
+    if isinstance(value, list | tuple):
+        return [_plain(program, f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str)]
+        require(not bad, program, f"{where} has a key that is not a string: {bad[:1]!r}")
+        return {k: _plain(program, f"{where}.{k}", v) for k, v in value.items()}
+    raise ConfigError(f"{program}: {where} holds a {type(value).__name__}, not a plain value "
+                      f"(None, bool, int, float, str, list or mapping)")

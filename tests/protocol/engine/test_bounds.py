@@ -349,6 +349,60 @@ def test_sum_and_mean(kind):
                     [sum_terms(flat, [0]).divide(flat.size)])
 
 
+def _at_the_exactness_limit(ratio: float, k: int, seed: int, signs: bool = True
+                            ) -> np.ndarray:
+    """k float32 values whose smallest ULP is m = 2**-40 and whose Σ|x| is about `ratio` ·
+    2**53 · m: one value of ULP m and k - 1 large ones (of random signs if `signs`), each just
+    under an equal share of the rest (significands below the largest by up to 2**10 units)."""
+    rng = np.random.default_rng(seed)
+    m = 2.0**-40
+    small = (2**23 + 1) * m  # a normal float32 whose ULP is m
+    share = (ratio * 2.0**53 * m - small) / (k - 1)
+    exponent = math.ceil(math.log2(share)) - 24
+    significands = math.floor(share / 2.0**exponent) - rng.integers(0, 2**10, k - 1)
+    big = significands * 2.0**exponent * (rng.choice([-1.0, 1.0], k - 1) if signs else 1.0)
+    x = np.concatenate([[small], big])
+    assert np.array_equal(f32(x), x)
+    return x
+
+
+@pytest.mark.parametrize("k", [2, 3, 16, 255])
+def test_sum_below_the_exactness_limit_is_exact_in_every_order(k):
+    """Where the sum rule gives e = 0, every order must give the exact sum: float64 sums of the
+    values in the given, reversed, sorted and shuffled orders, at Σ|x| just under 2**53 · m."""
+    ratios = []
+    for seed in range(20):
+        x = _at_the_exactness_limit(0.999, k, seed)
+        total = math.fsum(np.abs(x))
+        ratios.append(total / (2.0**53 * 2.0**-40))
+        X = t64(x)
+        y = aten.sum.default(X)
+        [e] = bounds(aten.sum.default, (X,), {}, [y])
+        assert float(e) == 0.0, (k, seed, total)
+        exact = Fraction(0)
+        for v in x:
+            exact += Fraction(float(v))
+        for order in ORDERS:
+            assert Fraction(float(sum_terms(x, [0]).sequential(order, seed=seed)[0])) == exact
+    assert max(ratios) > 0.99  # the inputs reach the limit, not far below it
+
+
+def test_sum_beyond_the_exactness_limit_keeps_its_band():
+    """Σ|x| over 2**53 · m (all positive, so partial sums do grow past it): the rule gives
+    e > 0, and some order is indeed inexact."""
+    inexact = 0
+    for seed in range(20):
+        x = _at_the_exactness_limit(1.5, 64, seed, signs=False)
+        X = t64(x)
+        y = aten.sum.default(X)
+        [e] = bounds(aten.sum.default, (X,), {}, [y])
+        assert float(e) > 0.0
+        exact = sum((Fraction(float(v)) for v in x), Fraction(0))
+        inexact += any(Fraction(float(sum_terms(x, [0]).sequential(order, seed=seed)[0]))
+                       != exact for order in ORDERS)
+    assert inexact  # the limit is not vacuous: past it, orders do differ
+
+
 def test_drift_is_tight_for_sequential_summation():
     """1 + (K−1) increments just above half an ULP of the partial sum: a left-to-right sum
     rounds up at every step, realising the worst case γ_{K−1}·Σ|x|; the rule's e/2 = γ_K·Σ|x|

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from protocol.codec.state import state_digest, states_equal
-from protocol.engine.executor import Executor, PortableDropout, pinned_backends
+from protocol.engine.executor import Executor, pinned_backends
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import PRESETS
 from protocol.engine.programs.registry import load_program
-from protocol.errors import ConfigError, DeterminismError
+from protocol.engine.random_ops import PortableRandomFunctions, StepRandomness
+from protocol.errors import ConfigError
 
 SMALL = {
     "image-cnn": {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64},
@@ -43,7 +44,7 @@ def _masks(seed: int, step: int, threads: int, calls: int = 2) -> list[torch.Ten
     torch.set_num_threads(threads)
     try:
         drop = nn.Dropout(0.25)
-        with PortableDropout(seed, step):
+        with PortableRandomFunctions(StepRandomness(seed, step)):
             return [drop(torch.ones(64, 33)) for _ in range(calls)]
     finally:
         torch.set_num_threads(before)
@@ -65,7 +66,7 @@ def test_dropout_masks_are_portable():
 
 def test_dropout_edge_cases():
     x = torch.randn(10, 10)
-    with PortableDropout(0, 1):
+    with PortableRandomFunctions(StepRandomness(0, 1)):
         assert F.dropout(x, 0.5, training=False) is x
         assert F.dropout(x, 0.0) is x
         assert torch.equal(F.dropout(x, 1.0), torch.zeros_like(x))
@@ -74,15 +75,6 @@ def test_dropout_edge_cases():
         assert out is y and (y == 0).any() and not torch.equal(y, x)
         with pytest.raises(ConfigError, match="dropout probability"):
             F.dropout(x, 1.5)
-
-
-@pytest.mark.parametrize("call", [lambda x: F.dropout2d(x, 0.5), lambda x: F.dropout1d(x, 0.5),
-                                  lambda x: F.alpha_dropout(x, 0.5, training=True),
-                                  lambda x: torch.bernoulli(x.sigmoid())],
-                         ids=["dropout2d", "dropout1d", "alpha_dropout", "bernoulli"])
-def test_unsupported_dropout_raises(call):
-    with pytest.raises(DeterminismError), PortableDropout(0, 1):
-        call(torch.randn(2, 3, 4))
 
 
 # -- state round trips --------------------------------------------------------------------------

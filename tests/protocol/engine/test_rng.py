@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.engine.rng import RandomStream, philox4x32
+from protocol.engine.rng import RandomStream, _mul_high, philox4x32
 from protocol.errors import ConfigError
 
 # Random123 kat_vectors, philox4x32_10: (counter, key, expected output).
@@ -101,6 +101,46 @@ def test_keep_mask_extremes():
     assert not stream.keep_mask(1000, 0.0).any()
 
 
+def test_keep_mask_per_element_probabilities():
+    stream = RandomStream(2, "mask")
+    probs = np.array([0.0, 0.25, 1.0])  # broadcast over the rows
+    mask = stream.keep_mask((50_000, 3), probs)
+    assert not mask[:, 0].any() and mask[:, 2].all()
+    assert abs(mask[:, 1].double().mean().item() - 0.25) < 6 * (0.25 * 0.75 / 50_000) ** 0.5
+    # the same test as one probability: word < p * 2**32
+    assert torch.equal(RandomStream(5, "m").keep_mask(64, np.full(64, 0.3)),
+                       RandomStream(5, "m").keep_mask(64, 0.3))
+    words = RandomStream(5, "m").words(64).astype(np.float64)
+    assert np.array_equal(RandomStream(5, "m").keep_mask(64, 0.3).numpy(), words < 0.3 * 2**32)
+
+
+def test_mul_high_is_the_high_word_of_the_exact_product():
+    pairs = RandomStream(6, "mulhi").words(2 * 500).astype(np.uint64).reshape(500, 2)
+    xs = [(int(h) << 32) | int(lo) for h, lo in pairs] + [0, 2**64 - 1]
+    hi = np.array([x >> 32 for x in xs], dtype=np.uint64)
+    lo = np.array([x & 0xFFFFFFFF for x in xs], dtype=np.uint64)
+    for span in (1, 3, 10, 2**32 - 1, 2**32, 2**32 + 7, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15):
+        got = [int(v) for v in _mul_high(hi, lo, span)]
+        assert got == [(x * span) >> 64 for x in xs], span
+
+
+@pytest.mark.parametrize(("low", "high"), [(0, 1), (-3, 4), (0, 2**32 + 1), (-(2**63), 2**63),
+                                           (2**63 - 2, 2**63)])
+def test_integers_stay_in_range(low, high):
+    values = RandomStream(7, "ints", low % 1000).integers((2000,), low, high)
+    assert values.dtype == np.int64 and values.shape == (2000,)
+    assert all(low <= int(v) < high for v in values)
+    if high - low > 2:
+        assert len(set(values.tolist())) > 1
+
+
+def test_integers_are_the_multiply_shift_of_two_words():
+    stream = RandomStream(8, "ints")
+    pairs = stream.words(2 * 100).astype(np.uint64).reshape(100, 2)
+    expected = [-5 + (((int(h) << 32) | int(lo)) * 12 >> 64) for h, lo in pairs]
+    assert stream.integers(100, -5, 7).tolist() == expected
+
+
 def test_normal_moments():
     values = RandomStream(3, "normal").normal(100_000, mean=1.5, std=2.0).double()
     assert abs(values.mean().item() - 1.5) < 0.05
@@ -136,7 +176,10 @@ def test_bad_keys_raise(key):
     ("uniform", ((2, -1),)), ("uniform", ("3",)), ("uniform", (3, 1.0, 1.0)),
     ("uniform", (3, 0.0, float("inf"))), ("normal", (3, 0.0, -1.0)),
     ("normal", (3, float("nan"), 1.0)), ("keep_mask", (3, 1.5)), ("keep_mask", (3, -0.1)),
-    ("keep_mask", (3, float("nan"))),
+    ("keep_mask", (3, float("nan"))), ("keep_mask", (3, np.array([0.5, 1.5, 0.1]))),
+    ("keep_mask", (3, np.array([0.5, float("nan"), 0.1]))), ("keep_mask", (3, np.ones(2))),
+    ("integers", (3, 1, 1)), ("integers", (3, 0, 2**63 + 1)), ("integers", (3, -(2**63) - 1, 0)),
+    ("integers", (3, 0.5, 2)),
 ])
 def test_bad_arguments_raise(method, args):
     with pytest.raises(ConfigError):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.engine.programs import char_transformer, image_cnn, registry, token_lm
+from protocol.engine.programs import char_transformer, hf_causal_lm, image_cnn, registry, token_lm
 from protocol.engine.programs.base import TrainingProgram
 from protocol.errors import ConfigError, ProgramError
 from tests.protocol.engine.programs import user_program_example
@@ -49,7 +49,8 @@ def test_builtins_load(name):
 def test_builtin_table():
     assert registry.BUILTIN == {"image-cnn": image_cnn.build,
                                 "char-transformer": char_transformer.build,
-                                "token-lm": token_lm.build}
+                                "token-lm": token_lm.build,
+                                "hf-causal-lm": hf_causal_lm.build}
 
 
 def test_preset_is_merged_under_the_explicit_config():
