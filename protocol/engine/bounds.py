@@ -243,61 +243,64 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     """A plain sum: the reduction rule, except where every order is exact (`_exact_where`)."""
     x = args[0]
     k = _sum_count(args, kwargs, ys[0])
-    s = func(*_abs(args), **{key: _abs_keyword(v) for key, v in kwargs.items()})
+    magnitudes = _abs(x)
+    s = func(magnitudes, *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
-    ulps = _target_ulps(ctx, x)
-    if ulps is None or not isinstance(bound, torch.Tensor):
+    if not isinstance(bound, torch.Tensor) or not _holds_target_values(ctx, x):
         return [bound]
     dims = _arg(args, kwargs, 1, "dim", None) if func is not prims.sum.default else args[1]
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
     reduced = list(range(x.dim())) if not dims else _reduced(dims, x.dim())
-    m = ulps.amin(dim=reduced, keepdim=keepdim) if reduced else ulps
-    return [_exact_where(ctx, k, s, m, bound)]
+    nonzero = magnitudes.masked_fill(x == 0, math.inf)
+    smallest = nonzero.amin(dim=reduced, keepdim=keepdim) if reduced else nonzero
+    return [_exact_where(ctx, k, s, smallest, bound)]
 
 
 def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     """Embedding backward: row w of the result sums the gradient rows of the positions whose
-    index is w — a reduction, exact where every order is (`_exact_where`, with `m` the
-    smallest ULP among the rows summed into each element)."""
+    index is w — a reduction, exact where every order is (`_exact_where`, over the smallest
+    nonzero magnitude among the rows summed into each element)."""
     [bound] = _linear(_embedding_backward_count)(ctx, func, args, kwargs, ys)
     grad, indices = args[0], args[1]
-    ulps = _target_ulps(ctx, grad)
     scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
-    if ulps is None or scale or not isinstance(bound, torch.Tensor) or not indices.numel():
+    if scale or not isinstance(bound, torch.Tensor) or not indices.numel() or \
+            not _holds_target_values(ctx, grad):
         return [bound]
-    rows = ulps.reshape(indices.numel(), -1)
-    m = torch.full(ys[0].shape, math.inf, dtype=rows.dtype, device=rows.device)
-    m.scatter_reduce_(0, indices.reshape(-1, 1).expand_as(rows), rows, "amin")
-    s = func(_abs(grad), *args[1:])
-    return [_exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), s, m, bound)]
+    magnitudes = grad.abs()
+    rows = magnitudes.masked_fill(grad == 0, math.inf).reshape(indices.numel(), -1)
+    smallest = torch.full(ys[0].shape, math.inf, dtype=rows.dtype, device=rows.device)
+    smallest.scatter_reduce_(0, indices.reshape(-1, 1).expand_as(rows), rows, "amin")
+    s = func(magnitudes, *args[1:])
+    return [_exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), s, smallest,
+                         bound)]
 
 
-def _target_ulps(ctx, x) -> torch.Tensor | None:
-    """Each element's target ULP (float64; +inf for zeros), or None where `x` does not hold
-    target values (non-finite elements; never for the inputs of a step's sites)."""
-    if not isinstance(x, torch.Tensor) or not x.numel():
-        return None
-    narrow = x.to(ctx.policy.target)
-    if not torch.equal(narrow.to(x.dtype), x):
-        return None
-    return target_ulp(narrow, ctx.policy).masked_fill_(x == 0, math.inf)
+def _holds_target_values(ctx, x) -> bool:
+    """`x` holds target-dtype values only (every input of a step's sites does, SPEC §3.2:
+    checked, since the exactness argument rests on it; false for non-finite values too)."""
+    return isinstance(x, torch.Tensor) and x.numel() > 0 and \
+        torch.equal(x.to(ctx.policy.target).to(x.dtype), x)
 
 
-def _exact_where(ctx, k: int, s: torch.Tensor, m: torch.Tensor, bound: torch.Tensor
+def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: torch.Tensor
                  ) -> torch.Tensor:
     """`bound`, but 0 where a sum of at most `k` target values is exact in every order.
 
     Each input is target-representable (SPEC §3.2), so it is an integer multiple of its own
     target ULP, and every partial sum, in any order, is a multiple of `m`, the smallest ULP
-    among the nonzero terms, of magnitude at most `Σ|x|`. When `Σ|x| < 2^p · m` (p the compute
-    dtype's significand bits) every partial sum is exactly representable, so every order gives
-    the exact sum. That is the common case for short sums of like-sized values — micro-batch
-    gradients above all, where two float32 values in float64 sum exactly, often onto a target
-    midpoint, which the reduction rule would log although no machine can round it otherwise.
-    `Σ|x|` is the computed `S` times (1 + 2γ_K), which covers S's own rounding.
+    among the nonzero terms — the ULP of the smallest nonzero magnitude (`smallest`: the ULP
+    grows with the magnitude; +inf where every term is zero) — of magnitude at most `Σ|x|`.
+    When `Σ|x| < 2^p · m` (p the compute dtype's significand bits) every partial sum is exactly
+    representable, so every order gives the exact sum. That is the common case for short sums
+    of like-sized values — micro-batch gradients above all, where two float32 values in
+    float64 sum exactly, often onto a target midpoint, which the reduction rule would log
+    although no machine can round it otherwise. `Σ|x|` is the computed `S` times (1 + 2γ_K),
+    which covers S's own rounding.
     """
+    finite = torch.isfinite(smallest)
+    m = target_ulp(torch.where(finite, smallest, 0.0).to(ctx.policy.target), ctx.policy)
     limit = 2.0 ** (ctx.policy.fmt["compute_mantissa"] + 1)
-    exact = s.to(torch.float64) * (1 + 2 * ctx.gamma(k)) < limit * m
+    exact = ~finite | (s.to(torch.float64) * (1 + 2 * ctx.gamma(k)) < limit * m)
     return torch.where(exact.reshape(bound.shape), 0.0, bound)
 
 

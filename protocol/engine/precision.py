@@ -103,6 +103,9 @@ class PrecisionPolicy:
             2.0 ** -self.fmt["compute_mantissa"]
 
 
+_FLOAT64_BIAS, _FLOAT64_MANTISSA = 1023, 52
+
+
 def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPolicy
                     ) -> torch.Tensor:
     """Sorted flat indices that may have δ ≤ 2e: a superset, checked exactly by the caller.
@@ -187,8 +190,9 @@ def target_ulp(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     fmt = policy.fmt
     mant_bits = fmt["target_mantissa"]
     exp_field = _magnitude_bits(r, policy) >> mant_bits
-    return torch.ldexp(torch.ones(r.shape, dtype=torch.float64, device=r.device),
-                       exp_field.clamp_min(1) - (fmt["target_bias"] + mant_bits))
+    # 2**E as float64 bits: the biased exponent (E + 1023) in bits 52..62, a zero significand
+    exponent = exp_field.clamp_min(1) - (fmt["target_bias"] + mant_bits) + _FLOAT64_BIAS
+    return (exponent.to(torch.int64) << _FLOAT64_MANTISSA).view(torch.float64)
 
 
 def rounded_up(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

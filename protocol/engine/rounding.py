@@ -19,6 +19,8 @@ dtype's own error spans target ULPs — log the value itself. They are rare.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -85,8 +87,8 @@ def site_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | N
                                     device=y.device))
     e = parts[0] if len(parts) == 1 else torch.cat(parts)
     # A bound that overflowed or is NaN certifies nothing: treat it as unbounded (always in
-    # the band, a value entry), never as "not in band".
-    return torch.where(torch.isfinite(e), e, torch.inf)
+    # the band, a value entry), never as "not in band". (Bounds are never negative.)
+    return torch.nan_to_num(e, nan=math.inf, posinf=math.inf)
 
 
 def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
