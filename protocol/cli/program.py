@@ -9,7 +9,8 @@ cannot serve, a model the portable init does not know), that refusal, in the wor
 error a job would stop with.
 
 Exit codes: 0 the step recorded and replayed bit-exactly; 1 it was refused or not bit-exact;
-2 a usage error (no such program, a bad config).
+2 a usage error (no such program, a bad config). One step on one machine shows what ovt makes
+of the program; it cannot show what differs only on other hardware or later steps.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import BUILTIN, load_program
 from protocol.engine.rounding import SiteRecorder
-from protocol.errors import ConfigError, DeterminismError, ProgramError
+from protocol.errors import ConfigError, DeterminismError, OvtError, ProgramError
 
 EXIT_OK, EXIT_REFUSED = 0, 1
 
@@ -91,6 +92,7 @@ class CheckReport:
     replay_s: float = 0.0
     bit_exact: bool = False
     refused: str | None = None
+    failed: str | None = None  # the step ran but record and replay did not agree
 
 
 def check_program(ref: str, config: dict, preset: str | None, *, micro_batches: int,
@@ -123,6 +125,8 @@ def check_program(ref: str, config: dict, preset: str | None, *, micro_batches: 
         report.bit_exact = state_digest(replay.state()) == state1
     except (DeterminismError, ProgramError) as err:
         report.refused = str(err)
+    except OvtError as err:  # a replay that rejects the log, a state that does not fit: a fault
+        report.failed = str(err)
     sites, elements, entries = (recorder.per_op_sites, recorder.per_op_elements,
                                 recorder.per_op_entries)
     report.ops = [{"op": op, "sites": sites[op], "elements": elements[op],
@@ -130,6 +134,8 @@ def check_program(ref: str, config: dict, preset: str | None, *, micro_batches: 
     report.sites, report.elements, report.entries = (
         sum(sites.values()), sum(elements.values()), sum(entries.values()))
     report.log_bytes = len(encode_log(recorder.log())) if report.refused is None else 0
+    if report.failed is not None:
+        report.bit_exact = False
     return report
 
 
@@ -166,5 +172,8 @@ def _print(report: CheckReport, args) -> None:
           f"ternary)")
     print(f"time: record {report.record_s * 1e3:.0f} ms ({args.trainer_profile}), replay "
           f"{report.replay_s * 1e3:.0f} ms ({args.auditor_profile})")
-    print("result: BIT-EXACT replay" if report.bit_exact
-          else "result: NOT bit-exact — please report this: the rules should make it so")
+    if report.failed is not None:
+        print(f"result: NOT bit-exact — the replay stopped: {report.failed}")
+    else:
+        print("result: BIT-EXACT replay" if report.bit_exact
+              else "result: NOT bit-exact — please report this: the rules should make it so")

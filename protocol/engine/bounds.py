@@ -248,9 +248,9 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     bound = ctx.sum_bound(k, s)
     if not isinstance(bound, torch.Tensor) or not _holds_target_values(ctx, x):
         return [bound]
-    dims = _arg(args, kwargs, 1, "dim", None) if func is not prims.sum.default else args[1]
+    dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
-    reduced = list(range(x.dim())) if not dims else _reduced(dims, x.dim())
+    reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
     nonzero = magnitudes.masked_fill(x == 0, math.inf)
     smallest = nonzero.amin(dim=reduced, keepdim=keepdim) if reduced else nonzero
     return [_exact_where(ctx, k, s, smallest, bound)]
@@ -277,7 +277,7 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
 
 def _holds_target_values(ctx, x) -> bool:
     """`x` holds target-dtype values only (every input of a step's sites does, SPEC §3.2:
-    checked, since the exactness argument rests on it; false for non-finite values too)."""
+    checked, since the exactness argument rests on it; false where `x` holds a NaN)."""
     return isinstance(x, torch.Tensor) and x.numel() > 0 and \
         torch.equal(x.to(ctx.policy.target).to(x.dtype), x)
 

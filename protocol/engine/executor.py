@@ -265,7 +265,7 @@ class Executor:
             randomness = StepRandomness(self.seed, t)  # SPEC §3.4
             with pinned_backends(), self.profile.applied(), \
                     self._arithmetic(arithmetic, randomness), PortableRandomFunctions(randomness):
-                loss = self._gradients(batch)
+                loss = self._gradients(batch, randomness)
                 if self.program.clip_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.program.clip_grad_norm, foreach=True)
@@ -281,15 +281,18 @@ class Executor:
         recorded = rounder.log() if isinstance(rounder, SiteRecorder) else None
         return StepResult(t, loss, seconds, recorded)
 
-    def _gradients(self, batch: dict[str, torch.Tensor]) -> float:
+    def _gradients(self, batch: dict[str, torch.Tensor], randomness: StepRandomness) -> float:
         """Backward of the program's loss on `batch` into every parameter's `.grad`; returns
         the loss (the mean of the micro-batches' losses).
 
         With k micro-batches (SPEC §3.5) the batch is cut into k consecutive equal parts in
-        batch order; part i's loss, divided by k, is back-propagated alone, and each
-        parameter's gradient is the sum of the k parts' gradients taken as one reduction over
-        a stacked dimension — one site with a certified band (SPEC §3.2.1), so its bits do not
-        depend on where or in which order the parts were computed.
+        batch order; part i's loss, divided by k, is back-propagated alone, drawing from part
+        i's own random streams, and each parameter's gradient is the sum of the k parts'
+        gradients taken as one reduction over a stacked dimension — one site with a certified
+        band (SPEC §3.2.1), so its bits do not depend on where or in which order the parts
+        were computed. (Buffers a forward pass updates, such as BatchNorm's running
+        statistics, are updated part after part, in part order.) Draws after the parts (in the
+        update) are part k's.
         """
         k = self.micro_batches
         if k == 1:
@@ -301,6 +304,7 @@ class Executor:
         parts: list[list[torch.Tensor | None]] = []
         losses = []
         for i in range(k):
+            randomness.begin_micro_batch(i)
             micro = {name: t[i * size:(i + 1) * size] for name, t in batch.items()}
             loss = self.program.loss(self.model, micro)
             (loss / k).backward()
@@ -313,6 +317,7 @@ class Executor:
                 continue
             p.grad = torch.stack([torch.zeros_like(p) if g is None else g
                                   for g in grads]).sum(dim=0)
+        randomness.begin_micro_batch(k)
         return sum(losses) / k
 
     def _arithmetic(self, rounder, randomness: StepRandomness):

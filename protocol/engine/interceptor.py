@@ -217,7 +217,8 @@ class RoundingMode(TorchDispatchMode):
         dtype, with integer and boolean tensors widened, and rounded as a site (SPEC §3.2)."""
         out = func(*args, **kwargs)
         made = {leaf.dtype for leaf in tree_flatten(out)[0]
-                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+                if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point()
+                                                       or leaf.is_complex())}
         if made - {self.policy.target, self.policy.compute}:
             raise DeterminismError(
                 f"{op_name(func)} makes {sorted(map(str, made))} results inside a step; the "
@@ -256,7 +257,7 @@ class RoundingMode(TorchDispatchMode):
                     writes.append((value, value))
                 return value
             if value.dtype != target:
-                if value.is_floating_point():
+                if value.is_floating_point() or value.is_complex():
                     raise DeterminismError(
                         f"{op_name(func)} computes on a {value.dtype} tensor inside a step; "
                         f"the precision policy {self.policy.name} certifies only its two dtypes "

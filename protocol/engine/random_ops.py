@@ -1,9 +1,10 @@
 """Every random op inside a step, served by the portable generator (SPEC §3.4).
 
 Device RNGs (torch's default generator, CUDA's) never decide a value inside a step. Each step gets
-a `StepRandomness`: its k-th draw, counted in program order over everything below (one counter
-for all ops), reads `RandomStream(job seed, "random", t, k)` (`protocol.engine.rng`). The call
-order is a property of the program, so every machine sees the same keys; the values are made
+a `StepRandomness`: the k-th draw of micro-batch i (0 without micro-batches), counted in program
+order over everything below (one counter for all ops), reads `RandomStream(job seed, "random",
+t, i, k)` (`protocol.engine.rng`). The call order is a property of the program, so every machine
+sees the same keys; the values are made
 on the CPU by numpy and moved to the op's device, so they are the same bits on every profile,
 device and thread count. An op's `generator=` argument is ignored: the portable stream
 replaces it (so do `pin_memory=` requests, which change no value).
@@ -77,7 +78,7 @@ from protocol.engine.optable import OpKind, op_kind, op_name
 from protocol.engine.rng import RandomStream
 from protocol.errors import ConfigError, DeterminismError
 
-PURPOSE = "random"  # the k-th draw of step t: RandomStream(seed, PURPOSE, t, k)
+PURPOSE = "random"  # draw k of micro-batch i of step t: RandomStream(seed, PURPOSE, t, i, k)
 SELU_ALPHA = 1.7580993408473766  # alpha dropout's alpha (torch's Dropout.cpp)
 # Significand bits: a float dtype holds every integer of magnitude up to 2**digits exactly.
 _DIGITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
@@ -89,14 +90,21 @@ warnings.filterwarnings("ignore", message="Dropout mask should only be used for 
 
 
 class StepRandomness:
-    """The random draws of step `step` of a job with seed `seed`, numbered in program order."""
+    """The random draws of step `step` of a job with seed `seed`, numbered in program order
+    within each micro-batch (SPEC §3.5: the micro-batch is the unit a trainer may compute
+    anywhere, so its draws must not depend on the parts before it)."""
 
     def __init__(self, seed: int, step: int) -> None:
-        self.seed, self.step, self.calls = seed, step, 0
+        self.seed, self.step, self.micro_batch, self.calls = seed, step, 0, 0
+
+    def begin_micro_batch(self, index: int) -> None:
+        """Draw from micro-batch `index`'s streams from now on, its first draw next."""
+        self.micro_batch, self.calls = index, 0
 
     def next_stream(self) -> RandomStream:
-        """The stream of the next draw: RandomStream(seed, "random", step, calls); counts it."""
-        stream = RandomStream(self.seed, PURPOSE, self.step, self.calls)
+        """The stream of the next draw, RandomStream(seed, "random", step, micro-batch,
+        calls); counts it."""
+        stream = RandomStream(self.seed, PURPOSE, self.step, self.micro_batch, self.calls)
         self.calls += 1
         return stream
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.optim import lr_scheduler
 
-from protocol.errors import ConfigError, DeterminismError
+from protocol.errors import ConfigError, DeterminismError, ProgramError
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]
 
@@ -131,12 +131,18 @@ def make_scheduler(factory: SchedulerFactory, optimizer: torch.optim.Optimizer
 
 def advance(scheduler: lr_scheduler.LRScheduler, steps: int = 1) -> None:
     """Step the schedule `steps` times (once per training step; more to fast-forward a fresh
-    schedule to a loaded state, where torch would warn that the optimizer did not step)."""
+    schedule to a loaded state, where torch would warn that the optimizer did not step).
+    Raises ProgramError where the scheduler itself fails (OneCycleLR stepped past its
+    total_steps)."""
     with portable_schedule_math(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)",
                                 category=UserWarning)
         for _ in range(steps):
-            scheduler.step()
+            try:
+                scheduler.step()
+            except (ValueError, ZeroDivisionError, OverflowError) as err:
+                raise ProgramError(f"the learning-rate schedule failed after "
+                                   f"{scheduler.last_epoch} steps: {err}") from None
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> torch.Tensor:

@@ -240,7 +240,8 @@ def _model(hf: Any) -> nn.Module:
     try:
         model = transformers.AutoModelForCausalLM.from_config(hf, trust_remote_code=False,
                                                               dtype=torch.float32)
-    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError,
+            AssertionError) as exc:  # transformers asserts on some configs (pad id ≥ vocab)
         raise ConfigError(f"{NAME}: transformers cannot build model: {type(exc).__name__}: "
                           f"{exc}") from None
     return model.train()

@@ -187,7 +187,7 @@ def test_signing_message_layout():
     assert signing_message("x", body) == SIGNATURE_DOMAIN + encode(
         {"kind": "x", "protocol_version": PROTOCOL_VERSION, "body": body})
     assert SIGNATURE_DOMAIN == b"ovt-signature-v1\x00"
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
 
 
 def test_claim_kind_signature_never_verifies_as_commitment(key):
@@ -208,7 +208,7 @@ def test_signature_without_domain_or_other_version_does_not_verify(key):
         key.sign(encode(c.to_body())),
         key.sign(encode(inner)),
         key.sign(SIGNATURE_DOMAIN + encode(c.to_body())),
-        key.sign(SIGNATURE_DOMAIN + encode({**inner, "protocol_version": 2})),
+        key.sign(SIGNATURE_DOMAIN + encode({**inner, "protocol_version": PROTOCOL_VERSION + 1})),
         key.sign(b"ovt-signature-v2\x00" + encode(inner)),
     ]
     for sig in bad:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol.codec.canonical import PROTOCOL_VERSION
 from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
 from protocol.commit.commitments import Claim, Commitment, SignedCommitment, sign_commitment
 from protocol.commit.data import DataCommitment
@@ -944,7 +945,7 @@ def test_decode_transcript_rejects_unknown_records():
         decode_transcript(encode(body))
 
 
-@pytest.mark.parametrize("alias", [True, 1.0])
+@pytest.mark.parametrize("alias", [float(PROTOCOL_VERSION)])
 def test_aliased_protocol_version_is_refused(alias):
     """Finding 3 (issue 10): a transcript whose protocol_version is `True` or `1.0` (equal to 1,
     other bytes) decoded to the same transcript as its canonical bytes."""

@@ -350,7 +350,7 @@ def test_malformed_and_oversized_verdicts_are_rejected():
     body = {**v.body(), "signature": v.signature}
     for bad in ({**body, "bribe": 1}, {k: x for k, x in body.items() if k != "time"},
                 {**body, "timings": {"total_s": -1.0}}, {**body, "rounds": -1},
-                {**body, "bytes_moved": {"trainer": 1.5}}, {**body, "protocol_version": 2},
+                {**body, "bytes_moved": {"trainer": 1.5}}, {**body, "protocol_version": 99},
                 {**body, "arbiter_key": bytes(31)}, {**body, "finding": "bribed"},
                 {**body, "leaf0_checks": 1}):  # the field of the leaf-0 question is gone
         with pytest.raises(VerdictError, match="does not parse"):

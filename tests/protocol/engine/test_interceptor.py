@@ -348,6 +348,22 @@ def test_rng_without_step_randomness_is_refused(make):
         make(x)
 
 
+@pytest.mark.parametrize("make", [
+    lambda z: z * z,
+    lambda z: z * 2.0,
+    lambda z: torch.view_as_real(z.exp()),
+], ids=["complex-mul", "complex-scale", "complex-exp"])
+def test_complex_arithmetic_is_refused(make):
+    """Complex arithmetic has no rounding site (its kernels differ between CPU and CUDA, FMA or
+    not): a complex RoPE must be refused, not run natively. Views to and from complex pass."""
+    x = rnd(4, 2, seed=23)
+    z = torch.view_as_complex(x)
+    with pytest.raises(DeterminismError, match="complex64"), RoundingMode(POLICY, Spy()):
+        make(z)
+    with RoundingMode(POLICY, Spy()):
+        assert torch.equal(torch.view_as_real(torch.view_as_complex(x)), x)
+
+
 def test_python_float_scalars_are_rounded_to_float32_first():
     x = rnd(100, seed=22)
     with RoundingMode(POLICY, Spy()):

@@ -61,9 +61,10 @@ def served_ovt(fn, *, seed: int = SEED, step: int = STEP, compute=native_compute
         return fn()
 
 
-def stream(call: int, *, seed: int = SEED, step: int = STEP) -> RandomStream:
-    """The stream the `call`-th draw of a step reads."""
-    return RandomStream(seed, PURPOSE, step, call)
+def stream(call: int, *, seed: int = SEED, step: int = STEP, micro_batch: int = 0
+           ) -> RandomStream:
+    """The stream the `call`-th draw of a step's micro-batch reads."""
+    return RandomStream(seed, PURPOSE, step, micro_batch, call)
 
 
 def rnd(*shape, seed=0) -> torch.Tensor:

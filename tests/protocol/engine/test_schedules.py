@@ -21,6 +21,7 @@ from protocol.engine.executor import SCHEDULE_KEY, Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import PRESETS
 from protocol.engine.programs.registry import load_program
+from protocol.engine.random_ops import StepRandomness
 from protocol.engine.schedules import (
     SCHEDULERS,
     advance,
@@ -271,3 +272,17 @@ def test_micro_batches_change_the_step_and_log_little():
 def test_a_batch_that_does_not_split_is_refused():
     with pytest.raises(ConfigError, match="does not split into 3 equal micro-batches"):
         executor(program(), micro_batches=3)
+
+
+def test_each_micro_batch_draws_from_its_own_streams():
+    """Part i's dropout masks do not depend on the parts before it (SPEC §3.5: the part is the
+    unit a trainer may compute anywhere): with dropout on, part 1 of a 2-part step draws the
+    masks of micro-batch 1's streams whatever part 0 drew."""
+    first, second = StepRandomness(0, 1), StepRandomness(0, 1)
+    first.begin_micro_batch(1)
+    second.next_stream()  # part 0 drew once more
+    second.next_stream()
+    second.begin_micro_batch(1)
+    assert np.array_equal(first.next_stream().words(8), second.next_stream().words(8))
+    other = StepRandomness(0, 1)
+    assert not np.array_equal(other.next_stream().words(8), first.next_stream().words(8))

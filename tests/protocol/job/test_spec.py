@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from protocol.cli.main import main
-from protocol.codec.canonical import decode, encode
+from protocol.codec.canonical import PROTOCOL_VERSION, decode, encode
 from protocol.errors import ConfigError, EncodingError, ProgramError
 from protocol.job.create import create_job, load_job_program
 from protocol.job.spec import JobSpec
@@ -65,7 +65,7 @@ def test_bad_specs_are_rejected(job_file, mutate):
         JobSpec.from_bytes(encode(mutate(spec.to_body())))
 
 
-@pytest.mark.parametrize("alias", [True, 1.0])
+@pytest.mark.parametrize("alias", [float(PROTOCOL_VERSION)])
 def test_aliased_protocol_version_is_refused(job_file, alias):
     """Finding 3 (issue 10): these bytes hash to another job id X, yet decoded to the real job
     Y (whose to_bytes and job_id are Y's), so an auditor asked to audit X replayed into Y's
