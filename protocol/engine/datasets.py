@@ -289,7 +289,14 @@ def require_same_fields(source: ExampleSource, reference: ExampleSource, shown: 
     compare when `reference` is empty. Raises ConfigError naming the first field that differs."""
     if len(reference) == 0:
         return
-    got, want = source.example(0), reference.example(0)
+    want = reference.example(0)
+    if isinstance(source, TokenFile) and TOKEN_FIELD in want and \
+            (source.window + 1,) != tuple(want[TOKEN_FIELD].shape):  # before reading a window
+        raise ConfigError(f"{shown}: field {TOKEN_FIELD!r} has shape ({source.window + 1},) per "
+                          f"example; the program's examples have "
+                          f"{tuple(want[TOKEN_FIELD].shape)} (set the file's window or the "
+                          f"program's config to match)")
+    got = source.example(0)
     if set(got) != set(want):
         raise ConfigError(f"{shown} has the fields {sorted(got)}; the program's examples have "
                           f"{sorted(want)}")
@@ -390,6 +397,20 @@ def _dtype_name(dtype: np.dtype, shown: str) -> str:
             return name
     raise ConfigError(f"{shown} holds token ids of dtype {dtype.str!r}; a token file holds "
                       f"little-endian {' or '.join(TOKEN_DTYPES)}")
+
+
+def require_token_ids_below(source: ExampleSource, limit: int, shown: str) -> None:
+    """Every token id of a token file is below `limit` (the program's vocabulary size),
+    checked a slice at a time. Raises ConfigError naming the first id out of range."""
+    if not isinstance(source, TokenFile):
+        return
+    tokens = source._tokens
+    for start in range(0, len(tokens), _SCAN_TOKENS):
+        chunk = np.asarray(tokens[start:start + _SCAN_TOKENS])
+        if chunk.size and int(chunk.max()) >= limit:
+            at = start + int(np.argmax(chunk >= limit))
+            raise ConfigError(f"{shown}: token id {int(tokens[at])} at position {at} is beyond "
+                              f"the program's vocabulary of {limit}")
 
 
 def _require_non_negative(tokens: np.ndarray, shown: str) -> None:

@@ -94,11 +94,14 @@ def load_initial_weights(model: nn.Module, path: Path) -> int:
     `model.safetensors`, or the shards its `model.safetensors.index.json` names). Returns how
     many tensors were read.
 
-    Values are converted to the model's dtype (exact from float16/bfloat16/float32; float64
-    rounds to nearest-even). A state-dict entry the file lacks is allowed only where it is the
-    same tensor as one the file has (tied weights, which `save_pretrained` writes once). Read
-    through `load_safetensors`, never pickle. Raises ConfigError for a missing or unreadable
-    file, a malformed one, an unknown, missing or misshapen tensor.
+    Floating values are converted to the model's dtype (exact from float16/bfloat16/float32;
+    float64 rounds to nearest-even); other tensors must have the model's dtype. Names must be
+    the model's own state-dict names (a folder saved by the same model class: a hub checkpoint
+    of another class, e.g. `GPT2Model` names for a `GPT2LMHeadModel`, is refused, not mapped).
+    A state-dict entry the file lacks is allowed only where it is the same tensor as one the
+    file has (tied weights, which `save_pretrained` writes once). Read through
+    `load_safetensors`, never pickle. Raises ConfigError for a missing or unreadable file, a
+    malformed one, an unknown, missing, misshapen or mistyped tensor.
     """
     weights = _read_weights(Path(path))
     expected = model.state_dict()
@@ -118,6 +121,10 @@ def load_initial_weights(model: nn.Module, path: Path) -> int:
             if tuple(value.shape) != tuple(target.shape):
                 raise ConfigError(f"init_from {path}: {name} has shape {tuple(value.shape)}, "
                                   f"the model's has {tuple(target.shape)}")
+            if value.dtype != target.dtype and not (value.is_floating_point()
+                                                    and target.is_floating_point()):
+                raise ConfigError(f"init_from {path}: {name} is {value.dtype}, the model's is "
+                                  f"{target.dtype} (only floating values are converted)")
             target.copy_(value.to(target.dtype))
     return len(weights)
 

@@ -67,6 +67,7 @@ from protocol.engine.datasets import (
     npy_token_dtype,
     open_data_file,
     require_same_fields,
+    require_token_ids_below,
     resolve_data_path,
 )
 from protocol.engine.executor import Executor
@@ -132,11 +133,13 @@ def locate_data_file(spec: JobSpec, data_dir: Path | None) -> Path | None:
 def with_data_file(program: TrainingProgram, data_file: DataFile,
                    data_dir: Path) -> TrainingProgram:
     """`program` with the examples of `data_file` (inside `data_dir`) as its dataset. Raises
-    ConfigError for a bad file, examples with other fields than the program's own, or fewer
-    examples than one batch."""
+    ConfigError for a bad file, examples with other fields than the program's own, token ids
+    beyond the program's vocabulary, or fewer examples than one batch."""
     source = open_data_file(data_file, data_dir)
     shown = data_file.describe()
     require_same_fields(source, program.dataset, shown)
+    if program.vocab_size is not None:
+        require_token_ids_below(source, program.vocab_size, shown)
     if len(source) < program.batch_size:
         raise ConfigError(f"{shown} holds {len(source)} examples, fewer than one batch of "
                           f"{program.batch_size}")

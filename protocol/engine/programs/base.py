@@ -40,6 +40,9 @@ class TrainingProgram:
         stepped once per step after the update (`protocol.engine.schedules` says which).
     clip_grad_norm: optional; the gradients' global 2-norm is clipped to it between backward
         and update (`torch.nn.utils.clip_grad_norm_`, rounded like every other op).
+    vocab_size: optional; for a program whose examples hold token ids ("tokens"), how many
+        ids its embedding takes: a token data file with a larger id is refused up front (an id
+        out of range would fail inside the step, on CUDA as a device-side assert).
     """
 
     name: str
@@ -52,6 +55,7 @@ class TrainingProgram:
     config: Mapping[str, Any]
     make_scheduler: SchedulerFactory | None = None
     clip_grad_norm: float | None = None
+    vocab_size: int | None = None
 
 
 ProgramFactory = Callable[[Mapping[str, Any]], TrainingProgram]

@@ -279,6 +279,7 @@ def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
         config=dataclasses.asdict(cfg),
         make_scheduler=warmup_cosine(cfg.warmup_steps, cfg.decay_steps, cfg.min_lr),
         clip_grad_norm=cfg.clip_grad_norm or None,
+        vocab_size=len(VOCAB),
     )
 
 

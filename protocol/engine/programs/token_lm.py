@@ -215,6 +215,7 @@ def build(config: Mapping[str, Any] | None = None) -> TrainingProgram:
         batch_size=cfg.batch_size,
         init=portable_init,
         config=dataclasses.asdict(cfg),
+        vocab_size=cfg.vocab_size,
     )
 
 

@@ -198,6 +198,21 @@ def test_a_file_of_fewer_examples_than_a_batch_is_refused(tmp_path):
         create_job(_tensor_job(tmp_path / "job", tensors=_images(7)))
 
 
+def test_a_token_beyond_the_programs_vocabulary_is_refused_up_front(tmp_path):
+    """An id out of range would fail inside the step (on CUDA as a device-side assert)."""
+    ids = _token_ids()
+    ids[100] = 512  # token-lm test: ids 0..511
+    with pytest.raises(ConfigError, match="token id 512 at position 100 is beyond the "
+                                          "program's vocabulary of 512"):
+        create_job(_token_job(tmp_path / "job", tokens=ids))
+
+
+def test_a_window_that_does_not_fit_is_refused_before_it_is_read(tmp_path):
+    with pytest.raises(ConfigError, match=r"has shape \(33,\) per example; the program's "
+                                          r"examples have \(17,\)"):
+        create_job(_token_job(tmp_path / "job", TOKEN_JOB.replace("window = 16", "window = 32")))
+
+
 # ---- the spec ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mutate", [
