@@ -35,7 +35,6 @@ GPT2, LLAMA = PRESETS["test"]["model"], PRESETS["llama-test"]["model"]
 FAST_STEPS, SLOW_STEPS = 2, 20
 FINE_TUNE = {"lr": 3e-3, "warmup_steps": 1, "decay_steps": 4, "min_lr": 1e-4,
              "clip_grad_norm": 0.5}
-pytestmark = pytest.mark.filterwarnings("ignore:Dropout mask should only be used")
 
 
 def build(preset: str = "test", **config):
