@@ -16,45 +16,15 @@ import safetensors.torch
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from protocol.commit.commitments import SignedCommitment
-from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
 from protocol.job.create import build_job
-from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
+from tests.auditor_node.daemon import watch_audit
 
 pytestmark = pytest.mark.network
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 20
 CALL_TIMEOUT_S = 10
 TRAIN_TIMEOUT_S = 120.0
-
-
-@pytest.fixture
-def launched(tmp_path):
-    """Start processes; kill whichever are still running at the end."""
-    procs: list[subprocess.Popen] = []
-    auditors = Auditors(tmp_path, tmp_path / "auditor.key")
-    KeyPair.generate().save(auditors.key)
-    KeyPair.generate().save(tmp_path / "trainer.key")
-
-    def trainer() -> AuditorDaemon:  # the same port-file handshake as the auditor's
-        port_file, log = tmp_path / "trainer-port", tmp_path / "trainer.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer_node.cli", "serve", "--listen", "127.0.0.1:0",
-                 "--store", str(tmp_path / "trainer-store"), "--key",
-                 str(tmp_path / "trainer.key"), "--profile", "cpu-2t", "--port-file",
-                 str(port_file)], stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return AuditorDaemon(proc, port_file, log)
-
-    try:
-        yield trainer, auditors
-    finally:
-        auditors.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
 
 
 def _create_job(tmp_path):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.job.spec import JobSpec
-from tests.auditor_node.daemon import AuditorDaemon, Auditors, watch_audit
+from tests.auditor_node.daemon import watch_audit
 
 pytestmark = pytest.mark.network
 CALL_TIMEOUT_S = 30
@@ -60,36 +58,6 @@ commit_interval = 3
 kind = "tensors"
 path = "data/images.safetensors"
 """
-
-
-@pytest.fixture
-def launched(tmp_path):
-    """Start processes; kill whichever are still running at the end."""
-    procs: list[subprocess.Popen] = []
-    auditors = Auditors(tmp_path, tmp_path / "auditor.key")
-    KeyPair.generate().save(auditors.key)
-    KeyPair.generate().save(tmp_path / "trainer.key")
-
-    def trainer(data_dir: Path) -> AuditorDaemon:  # the auditor's port-file handshake
-        port_file, log = tmp_path / "trainer-port", tmp_path / "trainer.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer_node.cli", "serve", "--listen", "127.0.0.1:0",
-                 "--store", str(tmp_path / "trainer-store"), "--key",
-                 str(tmp_path / "trainer.key"), "--profile", "cpu-2t", "--port-file",
-                 str(port_file), "--data-dir", str(data_dir)],
-                stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return AuditorDaemon(proc, port_file, log)
-
-    try:
-        yield trainer, auditors
-    finally:
-        auditors.close()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=30)
 
 
 def _user_folder(tmp_path: Path, job_text: str, files: dict[str, bytes]) -> Path:
@@ -158,7 +126,8 @@ def test_a_token_file_job_is_trained_and_audited_by_the_daemons(launched, tmp_pa
     trainer_data, auditor_data = _operator_copy(user, "trainer-data"), \
         _operator_copy(user, "auditor-data")
     (trainer_data / "data" / "train.bin").rename(trainer_data / "data" / "kept.bin")
-    trainer = start_trainer(trainer_data)  # both start at once: their imports overlap
+    # both start at once: their imports overlap
+    trainer = start_trainer("--data-dir", str(trainer_data))
     auditor = auditors.launch(tmp_path / "auditor-store", "--profile", "emulated-gpu",
                               "--data-dir", str(auditor_data))
     trainer.wait_serving()
@@ -198,7 +167,7 @@ def test_a_tensor_file_job_is_trained_and_audited_by_the_daemons(launched, tmp_p
               "label": torch.randint(0, 10, (64,), generator=gen)}
     user = _user_folder(tmp_path, TENSOR_JOB,
                         {"images.safetensors": safetensors.torch.save(images)})
-    trainer = start_trainer(_operator_copy(user, "trainer-data"))
+    trainer = start_trainer("--data-dir", str(_operator_copy(user, "trainer-data")))
     auditor = auditors.launch(tmp_path / "auditor-store", "--profile", "emulated-gpu",
                               "--data-dir", str(_operator_copy(user, "auditor-data")))
     trainer.wait_serving()

@@ -29,6 +29,7 @@ from protocol.job.create import create_job, job_executor, load_job_program
 from protocol.job.run import run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
+from tests.protocol.engine.test_datasets import ListSource
 
 SEQ_LEN = 16  # token-lm's "test" preset
 TOKENS = SEQ_LEN * 40 + 1  # 40 windows
@@ -60,15 +61,6 @@ path = "images.safetensors"
 """
 
 
-class ListSource:
-    def __init__(self, examples):
-        self.examples = list(examples)
-
-    def __len__(self):
-        return len(self.examples)
-
-    def example(self, index):
-        return self.examples[index]
 
 
 def _token_ids(n: int = TOKENS, dtype: str = "uint16") -> np.ndarray:
