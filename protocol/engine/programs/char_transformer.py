@@ -26,7 +26,11 @@ from torch import nn
 
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.validation import config_from_mapping, require
+from protocol.engine.programs.validation import (
+    config_from_mapping,
+    require,
+    require_tensor_size,
+)
 from protocol.engine.rng import RandomStream
 from protocol.engine.schedules import warmup_cosine
 
@@ -78,6 +82,11 @@ class CharTransformerConfig:
         require((self.corpus_chars - 1) // self.seq_len >= self.batch_size, NAME,
                 "corpus_chars must give at least batch_size windows of seq_len + 1 characters")
         require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
+        tokens = self.batch_size * self.seq_len
+        require_tensor_size(tokens * max(4 * self.d_model, len(VOCAB)), NAME,
+                            "an activation (batch_size × seq_len × max(4 d_model, vocabulary))")
+        require_tensor_size(tokens * self.n_heads * self.seq_len, NAME,
+                            "the attention weights (batch_size × n_heads × seq_len²)")
         require(self.warmup_steps >= 0 and self.decay_steps >= 0, NAME,
                 "warmup_steps and decay_steps must be >= 0")
         require(0 <= self.min_lr <= self.lr, NAME, "min_lr must be in [0, lr]")

@@ -53,7 +53,11 @@ from torch import nn
 
 from protocol.engine.programs import token_lm
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.validation import config_from_mapping, require
+from protocol.engine.programs.validation import (
+    config_from_mapping,
+    require,
+    require_tensor_size,
+)
 from protocol.engine.rng import RandomStream
 from protocol.engine.schedules import warmup_cosine
 from protocol.errors import ConfigError, ProgramError
@@ -159,6 +163,15 @@ def model_config(cfg: HFCausalLMConfig) -> Any:
     require(cfg.seq_len < hf.max_position_embeddings, NAME,
             f"seq_len + 1 positions must fit the model's {hf.max_position_embeddings} "
             f"(max_position_embeddings)")
+    widths = (hf.vocab_size, hf.hidden_size, getattr(hf, "intermediate_size", None) or 0,
+              getattr(hf, "n_inner", None) or 4 * hf.hidden_size)
+    require(all(isinstance(w, int) for w in widths) and isinstance(hf.num_attention_heads, int),
+            NAME, "the model's sizes must be integers")
+    positions = cfg.batch_size * (cfg.seq_len + 1)
+    require_tensor_size(positions * max(widths), NAME,
+                        "an activation (batch_size × (seq_len + 1) × the widest layer)")
+    require_tensor_size(positions * hf.num_attention_heads * (cfg.seq_len + 1), NAME,
+                        "the attention weights (batch_size × heads × (seq_len + 1)²)")
     return hf
 
 

@@ -25,7 +25,11 @@ from torch import nn
 
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.validation import config_from_mapping, require
+from protocol.engine.programs.validation import (
+    config_from_mapping,
+    require,
+    require_tensor_size,
+)
 from protocol.engine.rng import RandomStream
 
 NAME = "image-cnn"
@@ -68,6 +72,11 @@ class ImageCNNConfig:
         require(self.lr > 0, NAME, "lr must be > 0")
         require(self.weight_decay >= 0, NAME, "weight_decay must be >= 0")
         require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
+        pixels = self.image_size * self.image_size
+        require_tensor_size(self.dataset_size * 3 * pixels, NAME,
+                            "the dataset (dataset_size × 3 × image_size²)")
+        require_tensor_size(self.batch_size * max(self.channels, 3) * pixels, NAME,
+                            "an activation (batch_size × channels × image_size²)")
 
 
 class ResidualBlock(nn.Module):

@@ -36,7 +36,11 @@ from torch import nn
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
 from protocol.engine.programs.char_transformer import Block, loss
-from protocol.engine.programs.validation import config_from_mapping, require
+from protocol.engine.programs.validation import (
+    config_from_mapping,
+    require,
+    require_tensor_size,
+)
 from protocol.engine.rng import RandomStream
 
 NAME = "token-lm"
@@ -100,6 +104,11 @@ class TokenLMConfig:
         require((self.corpus_tokens - 1) // self.seq_len >= self.batch_size, NAME,
                 "corpus_tokens must give at least batch_size windows of seq_len + 1 tokens")
         require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
+        tokens = self.batch_size * self.seq_len
+        require_tensor_size(tokens * max(4 * self.d_model, self.vocab_size), NAME,
+                            "an activation (batch_size × seq_len × max(4 d_model, vocabulary))")
+        require_tensor_size(tokens * self.n_heads * self.seq_len, NAME,
+                            "the attention weights (batch_size × n_heads × seq_len²)")
 
 
 # --- the corpus --------------------------------------------------------------------------------

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 C = TypeVar("C", bound="DataclassInstance")
 
+# The most elements one tensor of a built-in program may have: its dataset, or one activation of
+# one step (the batch times the per-example size of its widest layer). A peer's config must not
+# make a node allocate what it likes before a step says so; 2**30 elements is 8 GiB in float64,
+# the compute dtype — room for GPT-2 small's logits at batch 8 × 1024 positions (2**28.6).
+MAX_TENSOR_ELEMENTS = 2**30
+
 
 def config_from_mapping(cls: type[C], mapping: Mapping[str, Any] | None, program: str) -> C:
     """Build `cls` (a dataclass with int/float/str/dict fields) from `mapping`, checking every
@@ -43,6 +49,14 @@ def config_from_mapping(cls: type[C], mapping: Mapping[str, Any] | None, program
     values = {name: _check_type(program, name, value, hints[name])
               for name, value in mapping.items()}
     return cls(**values)
+
+
+def require_tensor_size(elements: int, program: str, what: str) -> None:
+    """Raise ConfigError unless a tensor of `elements` fits MAX_TENSOR_ELEMENTS; `what` names
+    it (and the config keys it comes from)."""
+    require(elements <= MAX_TENSOR_ELEMENTS, program,
+            f"{what} would have {elements:,} elements, more than the {MAX_TENSOR_ELEMENTS:,} a "
+            f"built-in may allocate")
 
 
 def require(condition: bool, program: str, message: str) -> None:

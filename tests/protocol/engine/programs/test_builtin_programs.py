@@ -143,6 +143,23 @@ def test_bad_config_is_a_config_error(name, bad, message):
         MODULES[name].build(bad)
 
 
+OVERSIZED = {  # each within every other bound, beyond MAX_TENSOR_ELEMENTS in one tensor
+    "image-cnn": [{"dataset_size": 2**20, "image_size": 128},
+                  {"batch_size": 2048, "dataset_size": 2048, "channels": 1024, "image_size": 32}],
+    "char-transformer": [{"batch_size": 4096, "seq_len": 4096, "corpus_chars": 10**8},
+                         {"batch_size": 2**14, "d_model": 8192, "n_heads": 8,
+                          "corpus_chars": 10**8, "seq_len": 4}],
+}
+
+
+def test_a_config_that_would_allocate_without_bound_is_refused(name):
+    """Hostile-peer finding 6: the config alone must not let a peer's spec make a node build a
+    dataset or run a step of any size; a tensor over the budget is refused up front."""
+    for config in OVERSIZED[name]:
+        with pytest.raises(ConfigError, match="a built-in may allocate"):
+            MODULES[name].parse_config(config)
+
+
 def test_non_mapping_config_is_a_config_error(name):
     with pytest.raises(ConfigError, match="mapping"):
         MODULES[name].build([("lr", 0.1)])
