@@ -10,9 +10,10 @@ and runs training steps in one of three arithmetic modes:
 
 Whatever the mode, a step's randomness comes from `protocol.engine.rng` (SPEC §3.4): dropout,
 attention dropout and aten's RNG ops are served by the portable generator, keyed by (seed, step,
-call), or refused (`protocol.engine.random_ops`). Every backend switch that
-changes numbers (cuDNN, TF32, reduced-precision reductions, SDPA kernel choice) is pinned for
-the duration of the step and restored afterwards, never flipped globally.
+micro-batch, call), or refused (`protocol.engine.random_ops`). A program's learning-rate schedule
+and gradient clipping are part of the step, and so is the sum over its micro-batches (SPEC §3.5).
+Every backend switch that changes numbers (cuDNN, TF32, reduced-precision reductions, SDPA kernel
+choice) is pinned for the duration of the step and restored afterwards, never flipped globally.
 """
 
 from __future__ import annotations
