@@ -22,12 +22,23 @@ import torch
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log, log_digest
 from protocol.codec.state import state_digest
 from protocol.commit.commitments import Commitment, SignedCommitment, sign_commitment
+from protocol.commit.data import prove_examples, verify_examples
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
+from protocol.engine.batches import batch_indices
+from protocol.engine.datasets import commit_examples
 from protocol.engine.executor import Executor, StepResult
 from protocol.engine.profiles import Profile
-from protocol.errors import LogFormatError, LogMismatchError, LogViolationError, StoreError
+from protocol.errors import (
+    ConfigError,
+    LogFormatError,
+    LogMismatchError,
+    LogViolationError,
+    ProofError,
+    StoreError,
+)
 from protocol.job.create import job_executor
+from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 Progress = Callable[[int, int], None]
@@ -98,7 +109,7 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
     store.state_at(last, ex)
     for t in range(last + 1, spec.steps + 1):
         if hooks is None:
-            result = ex.step()
+            result = ex.step(examples=committed_batch(spec, ex, t))
             store.append_step(t, ex.state(), _recorded_log(result))
         else:
             result = _hooked_step(ex, hooks, t, None)
@@ -108,6 +119,28 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
         if progress:
             progress(t, spec.steps)
     return store.commitment(spec.steps) or _commit(store, key, "trainer", spec.steps)
+
+
+def committed_batch(spec: JobSpec, ex: Executor, t: int) -> list[dict[str, torch.Tensor]] | None:
+    """B_t's examples of a job that reads a data file, each checked against the job's data
+    commitment first (None for a program's own data, which no one can change under a job).
+
+    A file rewritten under a running job would otherwise be trained on, or replayed, though
+    the party could not prove it (SPEC §2.1) and would lose its dispute. Raises ConfigError
+    naming the first example that is not the committed one.
+    """
+    if spec.data_file is None:
+        return None
+    dataset = ex.program.dataset
+    indices = batch_indices(spec.seed, spec.data.count, ex.program.batch_size, t)
+    _, tree = commit_examples(dataset)
+    items = prove_examples(dataset, tree, indices)
+    try:
+        verify_examples(spec.data, items, indices)
+    except ProofError as err:
+        raise ConfigError(f"{spec.data_file.describe()} changed under the job: step {t}'s "
+                          f"batch is not the committed one ({err})") from None
+    return [item.example for item in items]
 
 
 class ClaimSource(Protocol):
@@ -209,7 +242,7 @@ def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int,
         return t, "the trainer served a rounding log that does not match its own leaf"
     try:
         if hooks is None:
-            ex.step(decode_log(data))
+            ex.step(decode_log(data), examples=committed_batch(store.spec, ex, t))
         else:
             _hooked_step(ex, hooks, t, decode_log(data))
     except (LogFormatError, LogViolationError, LogMismatchError) as err:

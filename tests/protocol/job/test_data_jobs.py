@@ -6,6 +6,7 @@ it, and re-execution still checks each example against the commitment (SPEC §2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -280,6 +281,26 @@ def test_a_data_file_changed_after_creation_is_refused(token_job):
     _token_ids()[:-SEQ_LEN].tofile(folder / "data" / "train.bin")  # one window fewer
     with pytest.raises(ConfigError, match="over 39, the job's is .* over 40"):
         load_job_program(spec, folder)
+
+
+def test_a_data_file_rewritten_under_a_running_job_stops_it(token_job, tmp_path):
+    """Reviewer finding: the file's commitment is remembered by its path, inode, size and
+    modification time; a rewrite that keeps all four must still not be trained on (the trainer
+    could not prove that batch and would lose its dispute): each batch is checked first."""
+    spec, state0, folder = token_job
+    store = JobStore(tmp_path / "trainer", dataclasses.replace(spec, steps=1))
+    store.put_initial(state0)
+    run_job(store, KeyPair.generate(), profile=Profile("cpu-1t"), data_dir=folder)  # step 1
+    path = folder / "data" / "train.bin"
+    before = path.stat()
+    ((_token_ids().astype(np.int64) + 1) % 512).astype(np.uint16).tofile(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size and path.stat().st_ino == before.st_ino
+    store = JobStore(tmp_path / "resumed", spec)
+    store.put_initial(state0)
+    with pytest.raises(ConfigError, match="changed under the job: step 1's batch is not the "
+                                          "committed one"):
+        run_job(store, KeyPair.generate(), profile=Profile("cpu-1t"), data_dir=folder)
 
 
 def test_the_arbiter_loads_a_data_job_without_the_file(token_job, tmp_path):
