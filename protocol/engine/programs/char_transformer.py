@@ -67,30 +67,39 @@ class CharTransformerConfig:
     clip_grad_norm: float = 0.0  # the gradients' global 2-norm is clipped to this (0: off)
 
     def __post_init__(self) -> None:
-        require(1 <= self.n_heads <= self.d_model <= 8192, NAME,
-                "need 1 <= n_heads <= d_model <= 8192")
-        require(self.d_model % self.n_heads == 0, NAME, "d_model must be divisible by n_heads")
-        require(1 <= self.n_layers <= 64, NAME, "n_layers must be in [1, 64]")
-        require(1 <= self.seq_len <= 4096, NAME, "seq_len must be in [1, 4096]")
-        require(self.batch_size >= 1, NAME, "batch_size must be >= 1")
-        require(0.0 <= self.dropout < 1.0, NAME, "dropout must be in [0, 1)")
-        require(self.optimizer in OPTIMIZERS, NAME,
-                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        require(self.lr > 0, NAME, "lr must be > 0")
-        require(self.weight_decay >= 0, NAME, "weight_decay must be >= 0")
-        require(self.corpus_chars <= 10**8, NAME, "corpus_chars must be <= 1e8")
-        require((self.corpus_chars - 1) // self.seq_len >= self.batch_size, NAME,
-                "corpus_chars must give at least batch_size windows of seq_len + 1 characters")
-        require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
-        tokens = self.batch_size * self.seq_len
-        require_tensor_size(tokens * max(4 * self.d_model, len(VOCAB)), NAME,
-                            "an activation (batch_size × seq_len × max(4 d_model, vocabulary))")
-        require_tensor_size(tokens * self.n_heads * self.seq_len, NAME,
-                            "the attention weights (batch_size × n_heads × seq_len²)")
+        require_transformer_config(self, NAME, len(VOCAB), "corpus_chars", "characters")
         require(self.warmup_steps >= 0 and self.decay_steps >= 0, NAME,
                 "warmup_steps and decay_steps must be >= 0")
         require(0 <= self.min_lr <= self.lr, NAME, "min_lr must be in [0, lr]")
         require(self.clip_grad_norm >= 0, NAME, "clip_grad_norm must be >= 0 (0: no clipping)")
+
+
+def require_transformer_config(cfg: Any, program: str, vocab: int, corpus_field: str,
+                               unit: str) -> None:
+    """The checks every GPT-shaped built-in's config shares (this one's and token-lm's): the
+    shape, the optimizer, a corpus (`corpus_field`, counted in `unit`s) giving a batch of
+    windows, and the largest tensors a step makes. Raises ConfigError naming `program`."""
+    require(1 <= cfg.n_heads <= cfg.d_model <= 8192, program,
+            "need 1 <= n_heads <= d_model <= 8192")
+    require(cfg.d_model % cfg.n_heads == 0, program, "d_model must be divisible by n_heads")
+    require(1 <= cfg.n_layers <= 64, program, "n_layers must be in [1, 64]")
+    require(1 <= cfg.seq_len <= 4096, program, "seq_len must be in [1, 4096]")
+    require(cfg.batch_size >= 1, program, "batch_size must be >= 1")
+    require(0.0 <= cfg.dropout < 1.0, program, "dropout must be in [0, 1)")
+    require(cfg.optimizer in OPTIMIZERS, program,
+            f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    require(cfg.lr > 0, program, "lr must be > 0")
+    require(cfg.weight_decay >= 0, program, "weight_decay must be >= 0")
+    corpus = getattr(cfg, corpus_field)
+    require(corpus <= 10**8, program, f"{corpus_field} must be <= 1e8")
+    require((corpus - 1) // cfg.seq_len >= cfg.batch_size, program,
+            f"{corpus_field} must give at least batch_size windows of seq_len + 1 {unit}")
+    require(0 <= cfg.seed < 2**63, program, "seed must be in [0, 2**63)")
+    tokens = cfg.batch_size * cfg.seq_len
+    require_tensor_size(tokens * max(4 * cfg.d_model, vocab), program,
+                        "an activation (batch_size × seq_len × max(4 d_model, vocabulary))")
+    require_tensor_size(tokens * cfg.n_heads * cfg.seq_len, program,
+                        "the attention weights (batch_size × n_heads × seq_len²)")
 
 
 # --- the corpus --------------------------------------------------------------------------------

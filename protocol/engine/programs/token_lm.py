@@ -35,12 +35,8 @@ from torch import nn
 
 from protocol.engine.initialization import portable_init
 from protocol.engine.programs.base import TrainingProgram
-from protocol.engine.programs.char_transformer import Block, loss
-from protocol.engine.programs.validation import (
-    config_from_mapping,
-    require,
-    require_tensor_size,
-)
+from protocol.engine.programs.char_transformer import Block, loss, require_transformer_config
+from protocol.engine.programs.validation import config_from_mapping, require
 from protocol.engine.rng import RandomStream
 
 NAME = "token-lm"
@@ -89,26 +85,7 @@ class TokenLMConfig:
 
     def __post_init__(self) -> None:
         require(2 <= self.vocab_size <= 1 << 20, NAME, "vocab_size must be in [2, 2**20]")
-        require(1 <= self.n_heads <= self.d_model <= 8192, NAME,
-                "need 1 <= n_heads <= d_model <= 8192")
-        require(self.d_model % self.n_heads == 0, NAME, "d_model must be divisible by n_heads")
-        require(1 <= self.n_layers <= 64, NAME, "n_layers must be in [1, 64]")
-        require(1 <= self.seq_len <= 4096, NAME, "seq_len must be in [1, 4096]")
-        require(self.batch_size >= 1, NAME, "batch_size must be >= 1")
-        require(0.0 <= self.dropout < 1.0, NAME, "dropout must be in [0, 1)")
-        require(self.optimizer in OPTIMIZERS, NAME,
-                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        require(self.lr > 0, NAME, "lr must be > 0")
-        require(self.weight_decay >= 0, NAME, "weight_decay must be >= 0")
-        require(self.corpus_tokens <= 10**8, NAME, "corpus_tokens must be <= 1e8")
-        require((self.corpus_tokens - 1) // self.seq_len >= self.batch_size, NAME,
-                "corpus_tokens must give at least batch_size windows of seq_len + 1 tokens")
-        require(0 <= self.seed < 2**63, NAME, "seed must be in [0, 2**63)")
-        tokens = self.batch_size * self.seq_len
-        require_tensor_size(tokens * max(4 * self.d_model, self.vocab_size), NAME,
-                            "an activation (batch_size × seq_len × max(4 d_model, vocabulary))")
-        require_tensor_size(tokens * self.n_heads * self.seq_len, NAME,
-                            "the attention weights (batch_size × n_heads × seq_len²)")
+        require_transformer_config(self, NAME, self.vocab_size, "corpus_tokens", "tokens")
 
 
 # --- the corpus --------------------------------------------------------------------------------
