@@ -6,6 +6,8 @@ For each built-in program this builds four executors from one initial state S_0:
     plain64  ordinary float64 training            (mode "plain64")
     record   ovt, trainer side: records L_t       (mode "ovt", no log)
     replay   ovt, auditor side: replays L_t       (mode "ovt", the log just recorded)
+    record-torch  record with the band pass in torch ops (`OVT_BAND_PASS=torch`), not the
+             fused C++ pass: its log and state must equal record's (checked every step)
 
 and runs them interleaved, one step of each per step index, so that a noisy shared machine
 slows all four alike. Warm-up steps are discarded; the table reports medians of the step's own
@@ -37,13 +39,15 @@ import torch
 
 from protocol.codec.roundinglog import encode_log, size_report
 from protocol.codec.state import state_digest
+from protocol.engine import bandpass
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import BUILTIN, load_program
 
-ROLES = ("plain32", "plain64", "record", "replay")
-MODE_OF = {"plain32": "plain", "plain64": "plain64", "record": "ovt", "replay": "ovt"}
+ROLES = ("plain32", "plain64", "record", "replay", "record-torch")
+MODE_OF = {"plain32": "plain", "plain64": "plain64", "record": "ovt", "replay": "ovt",
+           "record-torch": "ovt"}
 
 # The reference implementation's figures (BACKGROUND.md; CPU, 2 threads): W2 small CNN with
 # BatchNorm, batch 64, SGD momentum <-> image-cnn; W3 2-layer transformer d128 seq64 batch 8,
@@ -77,12 +81,22 @@ class ProgramRun:
     dense_bytes: list[int] = field(default_factory=list)
     hash_equal: list[bool] = field(default_factory=list)
     repeat_logs_equal: bool = True  # a re-run record step logged the same bytes
+    band_passes_equal: bool = True  # record-torch logged the same bytes, reached the same state
     losses: dict[str, list[float]] = field(default_factory=lambda: {r: [] for r in ROLES})
 
 
 def state_in(state: dict, dtype: torch.dtype) -> dict:
     """`state` with its floating tensors in `dtype` (exact widening of S_0 for plain64)."""
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _with_torch_band_pass(step):
+    """Run `step()` with the band pass in torch ops instead of the fused C++ operator."""
+    saved, bandpass.PASS = bandpass.PASS, "torch"
+    try:
+        return step()
+    finally:
+        bandpass.PASS = saved
 
 
 def _median(xs):
@@ -104,6 +118,7 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
     if state_digest(execs["replay"].state()) != state_digest(s0):
         raise RuntimeError(f"{name}: replay executor does not hold S_0 after load_state")
 
+    execs["record-torch"].load_state(s0)
     run = ProgramRun(name)
     for t in range(1, warmup + steps + 1):
         keep = t > warmup
@@ -118,6 +133,8 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
                     execs[role].load_state(before[role])
                 if role == "replay":
                     out = execs[role].step(res["record"].log)
+                elif role == "record-torch":
+                    out = _with_torch_band_pass(execs[role].step)
                 else:
                     out = execs[role].step()
                 res.setdefault(role, out)  # the first repeat's result (and log)
@@ -126,8 +143,11 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
                 best[role] = min(best.get(role, float("inf")), out.seconds)
         log = res["record"].log
         rep = size_report(log)
-        same = state_digest(execs["record"].state()) == state_digest(execs["replay"].state())
+        recorded = state_digest(execs["record"].state())
+        same = recorded == state_digest(execs["replay"].state())
         run.hash_equal.append(same)  # every step, warm-up included
+        run.band_passes_equal &= recorded == state_digest(execs["record-torch"].state()) and \
+            encode_log(res["record-torch"].log) == encode_log(log)
         if keep:
             for role in ROLES:
                 run.seconds[role].append(best[role])
@@ -155,6 +175,7 @@ def summarize(run: ProgramRun) -> dict:
         "replay_over_plain32": med["replay"] / med["plain32"],
         "replay_over_plain64": med["replay"] / med["plain64"],
         "replay_over_record": med["replay"] / med["record"],
+        "record_torch_over_record": med["record-torch"] / med["record"],
         "plain64_over_plain32": med["plain64"] / med["plain32"],
         # best-of-steps ratios: less sensitive to other load on a shared machine
         "min_step_s": mn,
@@ -175,6 +196,7 @@ def summarize(run: ProgramRun) -> dict:
         "replay_hash_equal_all_steps": all(run.hash_equal) and bool(run.hash_equal),
         "replay_hash_checked_steps": len(run.hash_equal),
         "record_repeats_identical": run.repeat_logs_equal,
+        "band_passes_identical": run.band_passes_equal,
         "final_loss": {r: run.losses[r][-1] if run.losses[r] else None for r in ROLES},
         "reference": REFERENCE.get(run.program),
     }
@@ -200,7 +222,8 @@ def print_table(summaries: list[dict], meta: dict) -> None:
     print(f"ovt step benchmark — preset {meta['preset']}, {meta['steps']} timed steps "
           f"(+{meta['warmup']} warm-up), each the fastest of {meta['repeats']} repeats")
     print(f"profile {meta['profile']}, replay profile {meta['replay_profile']}, "
-          f"policy {meta['policy']}, certified bands (bound rules v{meta['bound_rules']})")
+          f"policy {meta['policy']}, certified bands (bound rules v{meta['bound_rules']}), "
+          f"band pass of record: {meta['band_pass']}")
     print(f"torch {meta['torch']}, {meta['cpu_capability']}, python {meta['python']}, "
           f"{meta['machine']}")
     names = [s["program"] for s in summaries]
@@ -222,7 +245,8 @@ def print_table(summaries: list[dict], meta: dict) -> None:
     for key, label in (("record_over_plain32", "record / plain32 (trainer)"),
                        ("record_over_plain64", "record / plain64"),
                        ("replay_over_plain32", "replay / plain32 (auditor)"),
-                       ("replay_over_record", "replay / record")):
+                       ("replay_over_record", "replay / record"),
+                       ("record_torch_over_record", "record-torch / record")):
         row(label, [f"{s[key]:.2f}x" for s in summaries])
         if any(s["reference"] and key in s["reference"] for s in summaries):
             row("  reference impl.", [ref_cell(s, key, "{:.1f}x") for s in summaries])
@@ -247,6 +271,8 @@ def print_table(summaries: list[dict], meta: dict) -> None:
     row("replay hash == record hash",
         [f"{'yes' if s['replay_hash_equal_all_steps'] else 'NO'} "
          f"({s['replay_hash_checked_steps']} steps)" for s in summaries])
+    row("record-torch log, state == record",
+        ["yes" if s["band_passes_identical"] else "NO" for s in summaries])
     print()
     print("Targets (issue):")
     for s in summaries:
@@ -255,10 +281,10 @@ def print_table(summaries: list[dict], meta: dict) -> None:
             val = (f"{t['value'] * 100:.3f} %" if t["metric"] == "log_ratio_to_dense"
                    else f"{t['value']:.2f}x")
             bound = (f"{t['bound'] * 100:.1f} %" if t["metric"] == "log_ratio_to_dense"
-                     else f"{t['bound']:.0f}x")
+                     else f"{t['bound']:.1f}x")
             print(f"  [{mark}] {s['program']:<18} {t['metric']:<22} {val:>10}  <= {bound}")
     ok = all(s["replay_hash_equal_all_steps"] and s["record_repeats_identical"]
-             for s in summaries)
+             and s["band_passes_identical"] for s in summaries)
     verdict = ("every replayed state hash equals the recorded one" if ok
                else "REPLAY DIVERGED — timings are of a wrong replay")
     print(f"\nReplay check: {verdict}")
@@ -310,6 +336,8 @@ def main(argv=None) -> int:
                                                       + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
+        "band_pass": bandpass.PASS if bandpass.FUSED_ERROR is None
+        else f"torch ops (the fused pass is not built: {bandpass.FUSED_ERROR})",
     }
     if meta["loadavg_start"] > 0.5 and not args.quiet:
         print(f"warning: 1-min load average is {meta['loadavg_start']:.2f} on {os.cpu_count()} "

@@ -48,7 +48,51 @@ SAFETY = 2.0
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-Bound = torch.Tensor | float | None  # None: e = 0 (the op is correctly rounded)
+
+
+@dataclass(frozen=True, eq=False)
+class Affine:
+    """A bound `e = base·scale + floor` left unevaluated, so that the recorder's fused band
+    pass (`protocol.engine.fused`) computes it in its one read of the site's values instead of
+    writing and reading a tensor of bounds. `base` is
+
+    - `|y|` where `m` is None (the relative rules);
+    - `m`, broadcast to `y` (the reductions' `S`);
+    - `m[..., i]·col[..., j] + add` for a `y` of shape (..., M, N), where `col` is given: the
+      Cauchy–Schwarz bound of the matmul family, `m` (..., M) and `col` (..., N) the norms,
+      `add` (broadcast to `y`, or None) the magnitudes of an added matrix (addmm's bias).
+
+    `dense` evaluates it with torch ops in the same order of operations as the fused pass, so
+    both give the same bits.
+    """
+
+    scale: float
+    floor: float
+    m: torch.Tensor | None = None
+    col: torch.Tensor | None = None
+    add: torch.Tensor | None = None
+
+    def dense(self, y: torch.Tensor) -> torch.Tensor:
+        """e as a tensor broadcastable to `y` (the site values this bound belongs to)."""
+        if self.m is None:
+            base = y.abs()
+        elif self.col is None:
+            base = self.m
+        else:
+            base = self.m.unsqueeze(-1) * self.col.unsqueeze(-2)
+            if self.add is not None:
+                base = base + self.add
+        return base * self.scale + self.floor
+
+
+# None: e = 0 (the op is correctly rounded); a tensor broadcastable to the result; one number
+Bound = torch.Tensor | float | Affine | None
+
+
+def dense_bound(bound: Bound, y: torch.Tensor) -> torch.Tensor | float | None:
+    """`bound` with an `Affine` evaluated (for `y`), anything else as it is."""
+    return bound.dense(y) if isinstance(bound, Affine) else bound
+
 RuleFn = Callable[["BoundContext", torch._ops.OpOverload, tuple, dict, list[torch.Tensor]],
                   list[Bound]]
 
@@ -80,9 +124,14 @@ class BoundContext:
             raise ValueError(f"a reduction of {k} terms is beyond the compute dtype's bound")
         return ku / (1.0 - ku)
 
-    def sum_bound(self, k: int, s: torch.Tensor | float) -> torch.Tensor | float:
-        """e for a K-term sum whose Σ|terms| is at most `s`."""
-        return SAFETY * self.gamma(k) * s + SAFETY * k * self.tiny
+    def sum_bound(self, k: int, s: torch.Tensor | float, col: torch.Tensor | None = None,
+                  add: torch.Tensor | None = None) -> Affine | float:
+        """e for a K-term sum whose Σ|terms| is at most `s` (or `s[..., i]·col[..., j] + add`,
+        see `Affine`)."""
+        scale, floor = SAFETY * self.gamma(k), SAFETY * k * self.tiny
+        if isinstance(s, torch.Tensor):
+            return Affine(scale, floor, s, col, add)
+        return scale * s + floor
 
 
 def bounds_for(ctx: BoundContext, rule: Rule, func: torch._ops.OpOverload, args: tuple,
@@ -149,7 +198,7 @@ def _relative(max_ulps: float, floor_normals: float = 0.0) -> RuleFn:
         n = max_ulps * ctx.ulp_factor
         c = 4.0 * n * ctx.u
         floor = 2.0 * n * ctx.tiny + 2.0 * floor_normals * ctx.smallest_normal
-        return [y.abs() * c + floor for y in ys]
+        return [Affine(c, floor)] * len(ys)
     return rule
 
 
@@ -246,7 +295,7 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     magnitudes = _abs(x)
     s = func(magnitudes, *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
-    if not isinstance(bound, torch.Tensor) or not _holds_target_values(ctx, x):
+    if not isinstance(bound, Affine) or not _holds_target_values(ctx, x):
         return [bound]
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
@@ -263,7 +312,7 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     [bound] = _linear(_embedding_backward_count)(ctx, func, args, kwargs, ys)
     grad, indices = args[0], args[1]
     scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
-    if scale or not isinstance(bound, torch.Tensor) or not indices.numel() or \
+    if scale or not isinstance(bound, Affine) or not indices.numel() or \
             not _holds_target_values(ctx, grad):
         return [bound]
     magnitudes = grad.abs()
@@ -282,8 +331,8 @@ def _holds_target_values(ctx, x) -> bool:
         torch.equal(x.to(ctx.policy.target).to(x.dtype), x)
 
 
-def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: torch.Tensor
-                 ) -> torch.Tensor:
+def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: Affine
+                 ) -> Affine:
     """`bound`, but 0 where a sum of at most `k` target values is exact in every order.
 
     Each input is target-representable (SPEC §3.2), so it is an integer multiple of its own
@@ -301,7 +350,8 @@ def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: to
     m = target_ulp(torch.where(finite, smallest, 0.0).to(ctx.policy.target), ctx.policy)
     limit = 2.0 ** (ctx.policy.fmt["compute_mantissa"] + 1)
     exact = ~finite | (s.to(torch.float64) * (1 + 2 * ctx.gamma(k)) < limit * m)
-    return torch.where(exact.reshape(bound.shape), 0.0, bound)
+    e = bound.dense(s)
+    return Affine(1.0, 0.0, torch.where(exact.reshape(e.shape), 0.0, e))
 
 
 def _reduced(dims, ndim: int) -> list[int]:
@@ -354,7 +404,7 @@ def _mm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """mm(a, b): C_ij is a K-term inner product; Σ_k |a_ik·b_kj| <= ‖a_i‖·‖b_j‖ (Cauchy–Schwarz),
     an outer product of norms: O(M·K + K·N + M·N) work against the GEMM's O(M·K·N)."""
     a, b = args[0], args[1]
-    return [ctx.sum_bound(a.shape[1], torch.outer(_norms(a, 1), _norms(b, 0)))]
+    return [ctx.sum_bound(a.shape[1], _norms(a, 1), _norms(b, 0))]
 
 
 def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -362,26 +412,22 @@ def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     scalings: γ_{K+2}·(|beta·c| + |alpha|·‖a_i‖‖b_j‖)."""
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    s = abs(float(alpha)) * torch.outer(_norms(a, 1), _norms(b, 0))
-    if beta != 0:
-        s = s + abs(float(beta)) * c.abs()
-    return [ctx.sum_bound(a.shape[1] + 2, s)]
+    add = abs(float(beta)) * c.abs() if beta != 0 else None
+    return [ctx.sum_bound(a.shape[1] + 2, abs(float(alpha)) * _norms(a, 1), _norms(b, 0), add)]
 
 
 def _bmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """bmm: mm per batch (Cauchy–Schwarz per batch, row and column)."""
     a, b = args[0], args[1]
-    return [ctx.sum_bound(a.shape[2], _norms(a, 2).unsqueeze(2) * _norms(b, 1).unsqueeze(1))]
+    return [ctx.sum_bound(a.shape[2], _norms(a, 2), _norms(b, 1))]
 
 
 def _baddbmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """baddbmm(c, a, b, beta, alpha): addmm per batch."""
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    s = abs(float(alpha)) * (_norms(a, 2).unsqueeze(2) * _norms(b, 1).unsqueeze(1))
-    if beta != 0:
-        s = s + abs(float(beta)) * c.abs()
-    return [ctx.sum_bound(a.shape[2] + 2, s)]
+    add = abs(float(beta)) * c.abs() if beta != 0 else None
+    return [ctx.sum_bound(a.shape[2] + 2, abs(float(alpha)) * _norms(a, 2), _norms(b, 1), add)]
 
 
 def _mv(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -416,9 +462,11 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
     return _norms(x.transpose(0, 1).reshape(x.shape[1], -1), 1)
 
 
-def _spread(e: torch.Tensor | float, dims: int) -> torch.Tensor | float:
+def _spread(e: Affine | float, dims: int) -> Affine | float:
     """A (rows, cols) bound reshaped to broadcast over `dims` trailing spatial dimensions."""
-    return e.reshape(*e.shape, *([1] * dims)) if isinstance(e, torch.Tensor) else e
+    if not isinstance(e, Affine) or e.m is None:
+        return e
+    return Affine(e.scale, e.floor, e.m.reshape(*e.m.shape, *([1] * dims)))
 
 
 def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:

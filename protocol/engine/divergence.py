@@ -21,9 +21,10 @@ import torch
 
 from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.codec.roundinglog import RoundingLog
+from protocol.engine.bandpass import dense_bounds
 from protocol.engine.bounds import Bound
 from protocol.engine.precision import PrecisionPolicy
-from protocol.engine.rounding import SiteRecorder, SiteReplayer, site_bounds, site_values
+from protocol.engine.rounding import SiteRecorder, SiteReplayer, site_values
 from protocol.errors import ConfigError
 
 
@@ -104,7 +105,7 @@ class ComparingReplayer(SiteReplayer):
             mine = site_values(ys).detach().cpu()
             if numel == mine.numel():
                 theirs = torch.from_numpy(np.array(self._values[offset:offset + numel]))
-                self._compare(entry, mine, theirs, site_bounds(ys, bounds))
+                self._compare(entry, mine, theirs, dense_bounds(ys, bounds))
         return super().round_site(op, ys, bounds)
 
     @staticmethod

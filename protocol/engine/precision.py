@@ -13,7 +13,8 @@ a target ULP, and `|low - 2**(s-1)|` compute ULPs is its distance from the midpo
 binade's target ULP. That distance is exact except just above a power of two, where the nearest
 boundary lies below the binade, at half the spacing; there the true `δ` is at least half of it.
 So "half the prefilter distance `≤ 2e`" keeps every element with `δ ≤ 2e` and few others. The
-survivors (and every target-subnormal value, rare) get the exact `δ` of `boundary_distance`.
+survivors (and every nonzero value below the target's smallest normal, rare, and every zero
+whose bound reaches `PrecisionPolicy.zero_band`) get the exact `δ` of `boundary_distance`.
 
 NaN, ±inf and values that overflow the target are not rounding sites.
 
@@ -97,6 +98,13 @@ class PrecisionPolicy:
         return 2.0 ** -(self.fmt["compute_mantissa"] + 1)
 
     @property
+    def zero_band(self) -> float:
+        """The bound `e` from which a zero result is in the band: its δ is half the target's
+        smallest subnormal, so δ <= 2e where e is at least a quarter of that subnormal."""
+        fmt = self.fmt
+        return fmt["min_normal"] * 2.0 ** -fmt["target_mantissa"] / 4
+
+    @property
     def tiny(self) -> float:
         """The compute dtype's smallest subnormal: the absolute error floor of every rule."""
         return float(torch.finfo(self.compute).smallest_normal) * \
@@ -122,8 +130,13 @@ def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPo
     scale = torch.bitwise_and(bits, fmt["exp_mask"]).view(flat.dtype)  # 2**E; 0 for 0/subnormal
     far = (low - (1 << (shift - 1))).abs().to(flat.dtype) * scale
     mask = far <= bound * 2.0 ** (fmt["compute_mantissa"] + 2)  # far * 2**-p / 2 <= 2e
-    tiny = torch.bitwise_and(bits, fmt["abs_mask"]) < fmt["min_normal_bits"]  # the ULP differs
-    return ((mask | tiny) & (bound > 0)).nonzero().squeeze(1)
+    magnitude = torch.bitwise_and(bits, fmt["abs_mask"])
+    # Below the target's smallest normal the ULP differs: every such value is a candidate,
+    # except a zero (the causal mask's exp(-inf), a ReLU's), whose δ is exactly half the
+    # smallest subnormal, in the band only from e = `zero_band`.
+    small = (magnitude != 0) | (bound >= policy.zero_band)
+    keep = torch.where(magnitude < fmt["min_normal_bits"], small, mask)
+    return (keep & (bound > 0)).nonzero().squeeze(1)
 
 
 def boundary_distance(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:

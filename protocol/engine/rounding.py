@@ -19,16 +19,14 @@ dtype's own error spans target ULPs — log the value itself. They are rare.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
-from protocol.engine.bounds import SAFETY, Bound
+from protocol.engine.bandpass import bounds_at, round_band
+from protocol.engine.bounds import SAFETY, Bound, dense_bound
 from protocol.engine.precision import (
     PrecisionPolicy,
-    band_candidates,
     boundary_distance,
     rounded_up,
     step_toward,
@@ -70,27 +68,6 @@ def site_values(ys: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([y.reshape(-1) for y in ys])
 
 
-def site_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | None:
-    """The bounds of a site as one 1-D tensor aligned with `site_values`, or None if all are 0.
-
-    A rule may give a tensor broadcastable to its result (a per-row bound), a number for the
-    whole result, or None for zero.
-    """
-    if all(b is None for b in bounds):
-        return None
-    parts = []
-    for y, b in zip(ys, bounds, strict=True):
-        if isinstance(b, torch.Tensor):
-            parts.append(b.to(y.dtype).expand(y.shape).reshape(-1))
-        else:
-            parts.append(torch.full((y.numel(),), 0.0 if b is None else float(b), dtype=y.dtype,
-                                    device=y.device))
-    e = parts[0] if len(parts) == 1 else torch.cat(parts)
-    # A bound that overflowed or is NaN certifies nothing: treat it as unbounded (always in
-    # the band, a value entry), never as "not in band". (Bounds are never negative.)
-    return torch.nan_to_num(e, nan=math.inf, posinf=math.inf)
-
-
 def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
     """Cut a site's rounded values back into tensors shaped — and laid out — like `ys`."""
     out, offset = [], 0
@@ -117,14 +94,10 @@ class SiteRecorder:
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
         flat = site_values(ys)
-        r = flat.to(self.policy.target)
-        e = site_bounds(ys, bounds)
+        r, cand, ev = round_band(flat, ys, bounds, self.policy)
         site = SiteLog(flat.numel(), _EMPTY_INDEX, _EMPTY_UP)
-        if e is not None:
-            cand = band_candidates(flat, e, self.policy)
-            if cand.numel():
-                site = self._log_band(flat.numel(), cand, flat[cand], r[cand],
-                                      e[cand].to(torch.float64))
+        if ev is not None and cand.numel():
+            site = self._log_band(flat.numel(), cand, flat[cand], r[cand], ev)
         self.sites.append(site)
         self.in_band += site.indices.size + site.value_indices.size
         return _split(r, ys)
@@ -164,9 +137,8 @@ class SiteReplayer:
         flat = site_values(ys)
         r = flat.to(self.policy.target)
         if site.indices.size or site.value_indices.size:
-            e = site_bounds(ys, bounds)
-            self._apply_directions(op, flat, r, site, e)
-            self._apply_values(op, flat, r, site, e)
+            self._apply_directions(op, flat, r, site, ys, bounds)
+            self._apply_values(op, flat, r, site, ys, bounds)
         return _split(r, ys)
 
     def finish(self) -> None:
@@ -192,14 +164,14 @@ class SiteReplayer:
         return site
 
     def _apply_directions(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
-                          e: torch.Tensor | None) -> None:
+                          ys: list[torch.Tensor], bounds: list[Bound]) -> None:
         """Set the direction entries of `r` to the logged neighbours, after checking validity."""
         if not site.indices.size:
             return
         idx = torch.from_numpy(site.indices).to(flat.device)
         yv, rv = flat[idx], r[idx]
         d = boundary_distance(yv, rv, self.policy)
-        ev = torch.zeros_like(d) if e is None else e[idx].to(torch.float64)
+        ev = bounds_at(flat, ys, bounds, idx)
         valid = (ev > 0) & (d <= 4 * ev) & torch.isfinite(yv) & torch.isfinite(rv)
         bad = (~valid).nonzero()
         if bad.numel():
@@ -210,7 +182,7 @@ class SiteReplayer:
         r[idx] = step_toward(rv, yv, up, self.policy)
 
     def _apply_values(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
-                      e: torch.Tensor | None) -> None:
+                      ys: list[torch.Tensor], bounds: list[Bound]) -> None:
         """Set the value entries of `r` to the logged values, after checking validity.
 
         An honest value entry is the trainer's nearest-even rounding `v` of a result within `2e`
@@ -228,7 +200,7 @@ class SiteReplayer:
         v = _from_bits(site.values, self.policy).to(flat.device)
         yv = flat[idx]
         distance = (v.to(torch.float64) - yv.to(torch.float64)).abs()
-        ev = torch.zeros_like(distance) if e is None else e[idx].to(torch.float64)
+        ev = bounds_at(flat, ys, bounds, idx)
         ulp = target_ulp(v, self.policy)
         in_band = boundary_distance(yv, yv.to(self.policy.target), self.policy) <= 4 * ev
         valid = (ev > 0) & in_band & (2 * WIDE * ev >= ulp) & (distance <= ulp / 2 + 4 * ev) \
@@ -268,7 +240,7 @@ class BoundAdversary:
                 moved.append(y)
                 continue
             r = y.to(self.policy.target)
-            shift = toward_boundary(y, r, self.policy) * (b / SAFETY)
+            shift = toward_boundary(y, r, self.policy) * (dense_bound(b, y) / SAFETY)
             pushed = torch.where(torch.isfinite(y) & torch.isfinite(r), y + shift, y)
             moved.append(pushed if y.is_contiguous() else
                          torch.empty_like(y).copy_(pushed))

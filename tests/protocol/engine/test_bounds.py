@@ -43,7 +43,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from protocol.engine.bounds import SAFETY, BoundContext, bounds_for, rule_of
+from protocol.engine.bounds import SAFETY, BoundContext, bounds_for, dense_bound, rule_of
 from protocol.engine.precision import PrecisionPolicy, target_ulp
 from protocol.engine.splitk import SplitK
 from tests.protocol.engine.exact_sums import (
@@ -211,7 +211,7 @@ def bounds(func, args: tuple, kwargs: dict, ys: Sequence[torch.Tensor]) -> list[
         if e is None:
             out.append(np.zeros(tuple(y.shape)))
         else:
-            e = torch.as_tensor(e, dtype=F64)
+            e = torch.as_tensor(dense_bound(e, y), dtype=F64)
             out.append(np.broadcast_to(e.numpy(), tuple(y.shape)).astype(np.float64))
     return out
 
@@ -1213,6 +1213,7 @@ def test_index_put_accumulate_counts_broadcast_positions():
     func = aten.index_put.default
     args = (base, index, values, True)
     y = func(*args)
-    (e,) = bounds_for(CTX, rule_of(func, args, {}), func, args, {}, [y])
+    (bound,) = bounds_for(CTX, rule_of(func, args, {}), func, args, {}, [y])
+    e = dense_bound(bound, y)
     exact = 1 + 65536 * Fraction(value)
     assert abs(Fraction(float(y[0])) - exact) <= Fraction(float(e[0])) / 2

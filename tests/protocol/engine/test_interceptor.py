@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
-from protocol.engine.bounds import rule_of
+from protocol.engine.bounds import Affine, dense_bound, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import PrecisionPolicy
@@ -43,6 +43,7 @@ class Spy(SiteRecorder):
         bounded = False
         for y, b in zip(ys, bounds, strict=True):
             assert y.dtype == self.policy.compute, op
+            b = dense_bound(b, y)
             if isinstance(b, torch.Tensor):
                 assert torch.broadcast_shapes(b.shape, y.shape) == y.shape, op
                 assert bool((b >= 0).all()), op
@@ -116,21 +117,27 @@ def test_out_of_place_ops_are_computed_wide_and_rounded():
 
 def test_bounds_have_the_shapes_of_their_rules():
     """Reductions and relative rules give a bound per output element (or per row); a Cauchy–
-    Schwarz mm bound is an outer product; zero rules give None."""
+    Schwarz mm bound is an outer product of norms, a relative one a multiple of |y|, both left
+    unevaluated (`Affine`) for the fused band pass; zero rules give None."""
     seen = []
+
+    def form(b: Affine) -> str:
+        return "relative" if b.m is None else "outer" if b.col is not None else "tensor"
 
     class Bounds(SiteRecorder):
         def round_site(self, op, ys, bounds):
-            seen.append((op, [None if b is None else tuple(torch.as_tensor(b).shape)
-                              for b in bounds]))
+            seen.append((op, [None if b is None else
+                              (form(b), tuple(torch.as_tensor(dense_bound(b, y)).shape))
+                              for y, b in zip(ys, bounds, strict=True)]))
             return super().round_site(op, ys, bounds)
 
     a, m = rnd(4, 6, seed=4), rnd(6, 3, seed=5)
     with RoundingMode(POLICY, Bounds(POLICY)):
         a @ m, a.exp(), a.sum(1), a * 2.0, a.mean(0, keepdim=True)
-    assert seen == [("aten.mm.default", [(4, 3)]), ("aten.exp.default", [(4, 6)]),
-                    ("aten.sum.dim_IntList", [(4,)]), ("aten.mul.Tensor", [None]),
-                    ("aten.mean.dim", [(1, 6)])]
+    assert seen == [("aten.mm.default", [("outer", (4, 3))]),
+                    ("aten.exp.default", [("relative", (4, 6))]),
+                    ("aten.sum.dim_IntList", [("tensor", (4,))]), ("aten.mul.Tensor", [None]),
+                    ("aten.mean.dim", [("tensor", (1, 6))])]
 
 
 @pytest.mark.parametrize("op", ["add_", "mul_", "div_"])
@@ -155,7 +162,7 @@ def test_in_place_rule_reads_the_inputs_before_they_are_overwritten():
 
     class Bounds(SiteRecorder):
         def round_site(self, op, ys, bounds):
-            got.append(bounds[0].clone())
+            got.append(dense_bound(bounds[0], ys[0]).clone())
             return super().round_site(op, ys, bounds)
 
     with RoundingMode(POLICY, Bounds(POLICY)):

@@ -21,6 +21,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_log
 from protocol.codec.state import state_digest
+from protocol.engine.bandpass import dense_bounds
 from protocol.engine.executor import Executor
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -31,7 +32,7 @@ from protocol.engine.precision import (
 )
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import load_program
-from protocol.engine.rounding import SiteRecorder, site_bounds, site_values
+from protocol.engine.rounding import SiteRecorder, site_values
 from protocol.errors import ConfigError, LogFormatError, LogMismatchError, LogViolationError
 
 POLICY = PrecisionPolicy()
@@ -56,7 +57,7 @@ class Capture(SiteRecorder):
     def round_site(self, op, ys, bounds):
         self.ops.append(op)
         self.values.append(site_values(ys).detach().clone())
-        e = site_bounds(ys, bounds)
+        e = dense_bounds(ys, bounds)
         self.bounds.append(None if e is None else e.detach().clone())
         return super().round_site(op, ys, bounds)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.engine.bandpass import dense_bounds
 from protocol.engine.bounds import SAFETY
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -28,7 +29,6 @@ from protocol.engine.rounding import (
     BoundAdversary,
     SiteRecorder,
     SiteReplayer,
-    site_bounds,
     site_values,
 )
 from protocol.errors import LogMismatchError, LogViolationError
@@ -116,7 +116,7 @@ def make_site(seed: int, policy: PrecisionPolicy) -> tuple[list[torch.Tensor], l
 
 
 def flat_bounds(ys, bounds) -> torch.Tensor:
-    e = site_bounds(ys, bounds)
+    e = dense_bounds(ys, bounds)
     return torch.zeros_like(site_values(ys)) if e is None else e
 
 

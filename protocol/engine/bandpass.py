@@ -1,0 +1,186 @@
+"""A site's band pass: its target-dtype values and its band candidates (SPEC §3.2; issue 13).
+
+The recorder needs, for every site, `r = y.to(target)` and the elements that may lie within
+`2e` of a rounding boundary (`precision.band_candidates`, a superset it then checks exactly).
+Done with torch ops, that is a dozen passes over the site: evaluating the bounds, the bit
+tricks of the prefilter, the `nonzero`. `round_band` does it in one read of `y` through the
+C++ operator `torch.ops.ovt.round_band` (`csrc/band.cpp`, built by `pip install`), which also
+evaluates each element's bound (`bounds.Affine`: the relative rules need only `|y|`, the
+matmul family row and column norms) on the way. Both ways give the same bits
+(tests/protocol/engine/test_bandpass.py).
+
+The fused pass serves the float64 -> float32 policy on the CPU. Everything else — CUDA, where
+the torch ops run as fast kernels anyway; the float32 -> bfloat16 policy; an install where the
+extension could not be built, which is said once, loudly — runs the torch ops. The environment
+variable `OVT_BAND_PASS=torch` forces the torch ops (for comparisons).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from protocol.engine.bounds import Affine, Bound
+from protocol.engine.precision import PrecisionPolicy, band_candidates
+
+try:
+    from protocol.engine import _band  # noqa: F401  (loading it registers torch.ops.ovt)
+    FUSED_ERROR = None
+except ImportError as exc:  # not built: no compiler, or an install that skipped it
+    FUSED_ERROR = str(exc)
+    warnings.warn(f"ovt: the fused band pass is not built ({FUSED_ERROR}); rounding through "
+                  f"torch ops instead: the same bits, but record steps are slower. Reinstall "
+                  f"with a C++ compiler present (pip install -e .) to build it.",
+                  RuntimeWarning, stacklevel=1)
+
+# "fused" where the operator is there, unless OVT_BAND_PASS=torch asks for the torch ops.
+PASS = "torch" if FUSED_ERROR is not None or os.environ.get("OVT_BAND_PASS") == "torch" \
+    else "fused"
+
+_RELATIVE, _ROWS, _OUTER = 0, 1, 2  # csrc/band.cpp `Mode`
+_FUSED_PAIR = (torch.float64, torch.float32)
+
+
+@dataclass(frozen=True)
+class _FlatBound:
+    """A site's bounds over its flat values, as `csrc/band.cpp` reads them: element i's base is
+    |y_i| (relative), m[i // inner] (rows), or m[i // inner]·col[(i // (rows·inner))·inner +
+    i % inner] (+ add[i % inner] or add[i]) (outer); e = base·scale + floor."""
+
+    mode: int
+    scale: float
+    floor: float
+    m: torch.Tensor | None = None
+    col: torch.Tensor | None = None
+    add: torch.Tensor | None = None
+    inner: int = 1
+    rows: int = 1
+
+    def at(self, flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """e at the flat indices `idx`, NaN as +inf (as `dense_bounds`)."""
+        if self.mode == _RELATIVE:
+            base = flat[idx].abs()
+        else:
+            assert self.m is not None
+            row = idx // self.inner
+            base = self.m[row]
+            if self.mode == _OUTER:
+                assert self.col is not None
+                j = idx % self.inner
+                base = base * self.col[(row // self.rows) * self.inner + j]
+                if self.add is not None:
+                    base = base + self.add[j if self.add.numel() == self.inner else idx]
+        return torch.nan_to_num(base * self.scale + self.floor, nan=math.inf, posinf=math.inf)
+
+
+def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | None:
+    """The bounds of a site as one 1-D tensor aligned with its flat values (NaN and +inf as
+    +inf: a bound that overflowed certifies nothing), or None if all are 0.
+
+    A rule may give an `Affine`, a tensor broadcastable to its result (a per-row bound), a
+    number for the whole result, or None for zero.
+    """
+    if all(b is None for b in bounds):
+        return None
+    parts = []
+    for y, b in zip(ys, bounds, strict=True):
+        if isinstance(b, Affine):
+            b = b.dense(y)
+        if isinstance(b, torch.Tensor):
+            parts.append(b.to(y.dtype).expand(y.shape).reshape(-1))
+        else:
+            parts.append(torch.full((y.numel(),), 0.0 if b is None else float(b), dtype=y.dtype,
+                                    device=y.device))
+    e = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return torch.nan_to_num(e, nan=math.inf, posinf=math.inf)  # (bounds are never negative)
+
+
+def round_band(flat: torch.Tensor, ys: list[torch.Tensor], bounds: list[Bound],
+               policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(r, candidates, e at the candidates) of a site: `flat` (its values, `rounding.site_values`
+    of `ys`) rounded to nearest-even in the target dtype, the sorted flat indices that may lie
+    in the band (`precision.band_candidates`), and their bounds (float64; None if every bound
+    is 0, and then there are no candidates)."""
+    if all(b is None for b in bounds) or not flat.numel():
+        return flat.to(policy.target), flat.new_zeros(0, dtype=torch.int64), None
+    if PASS == "fused" and flat.device.type == "cpu" and \
+            (policy.compute, policy.target) == _FUSED_PAIR:
+        spec = _flat_bound(ys, bounds)
+        r, cand = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m, spec.col,
+                                           spec.add, spec.inner, spec.rows, spec.scale,
+                                           spec.floor)
+        return r, cand, spec.at(flat, cand).to(torch.float64)
+    e = dense_bounds(ys, bounds)
+    assert e is not None
+    cand = band_candidates(flat, e, policy)
+    return flat.to(policy.target), cand, e[cand].to(torch.float64)
+
+
+def bounds_at(flat: torch.Tensor, ys: list[torch.Tensor], bounds: list[Bound],
+              idx: torch.Tensor) -> torch.Tensor:
+    """The bounds of a site at the flat indices `idx` (float64, zeros for e = 0): the same
+    values as `dense_bounds(ys, bounds)[idx]`, without evaluating the rest (replay)."""
+    if all(b is None for b in bounds):
+        return torch.zeros(idx.shape, dtype=torch.float64, device=flat.device)
+    if flat.dtype == torch.float64:
+        return _flat_bound(ys, bounds).at(flat, idx)
+    e = dense_bounds(ys, bounds)
+    assert e is not None
+    return e[idx].to(torch.float64)
+
+
+def _flat_bound(ys: list[torch.Tensor], bounds: list[Bound]) -> _FlatBound:
+    """The site's bounds in the form `csrc/band.cpp` reads: structured where one part (or a
+    foreach site of one relative rule) allows it, else the evaluated bounds (`dense_bounds`)."""
+    if len(ys) == 1:
+        y, b = ys[0], bounds[0]
+        if isinstance(b, Affine):
+            return _of_affine(y, b)
+        if isinstance(b, torch.Tensor):
+            return _rows(y, b, 1.0, 0.0)
+        if b is not None:  # one number for the whole result
+            return _FlatBound(_ROWS, 1.0, 0.0, torch.full((1,), float(b), dtype=torch.float64,
+                                                          device=y.device), inner=y.numel())
+    first = bounds[0]
+    if isinstance(first, Affine) and first.m is None and all(
+            isinstance(b, Affine) and b.m is None and (b.scale, b.floor) ==
+            (first.scale, first.floor) for b in bounds):
+        return _FlatBound(_RELATIVE, first.scale, first.floor)
+    e = dense_bounds(ys, bounds)
+    assert e is not None
+    return _FlatBound(_ROWS, 1.0, 0.0, e.to(torch.float64))
+
+
+def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
+    if b.m is None:
+        return _FlatBound(_RELATIVE, b.scale, b.floor)
+    if b.col is None:
+        return _rows(y, b.m, b.scale, b.floor)
+    rows, inner = y.shape[-2], y.shape[-1]
+    add = b.add
+    if add is not None:
+        add = add.to(torch.float64)
+        if not (add.numel() == inner and add.shape[-1:] == (inner,)):
+            add = add.expand(y.shape)  # a full matrix (or broadcast otherwise): one per element
+        add = add.reshape(-1).contiguous()
+    return _FlatBound(_OUTER, b.scale, b.floor, _float64(b.m), _float64(b.col), add, inner, rows)
+
+
+def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float) -> _FlatBound:
+    """A base tensor broadcast to `y`: one value per run of trailing elements where its shape
+    is y's leading dimensions followed by ones, else expanded to one value per element."""
+    shape = (1,) * (y.dim() - m.dim()) + tuple(m.shape)
+    lead = len(shape)
+    while lead and shape[lead - 1] == 1:
+        lead -= 1
+    if shape[:lead] == tuple(y.shape[:lead]):
+        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=math.prod(y.shape[lead:]))
+    return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape)))
+
+
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).reshape(-1).contiguous()

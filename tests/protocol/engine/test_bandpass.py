@@ -1,0 +1,215 @@
+"""The fused band pass (csrc/band.cpp) against the torch-ops path, bit for bit (issue 13).
+
+Each site is built to be hard: values on and next to rounding boundaries, exact zeros,
+target-subnormal and compute-subnormal values, NaN, ±inf, values that overflow the target,
+and every form of bound a rule gives (`Affine` relative, rows, outer with and without an added
+matrix, batched; a tensor, a number, NaN and infinite bounds, zero). The two paths must give
+the same rounded bits, the same candidates and the same bounds at them; whole steps of both
+built-ins must give the same logs and states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.codec.roundinglog import encode_log
+from protocol.codec.state import state_digest
+from protocol.engine import bandpass
+from protocol.engine.bandpass import bounds_at, dense_bounds, round_band
+from protocol.engine.bounds import Affine
+from protocol.engine.executor import Executor
+from protocol.engine.precision import PrecisionPolicy, band_candidates, target_ulp
+from protocol.engine.profiles import Profile
+from protocol.engine.programs.registry import load_program
+from protocol.engine.rounding import site_values
+
+POLICY = PrecisionPolicy()
+F64 = torch.float64
+
+needs_fused = pytest.mark.skipif(bandpass.FUSED_ERROR is not None,
+                                 reason=f"the fused band pass is not built: "
+                                        f"{bandpass.FUSED_ERROR}")
+
+
+def hard_values(rng: np.random.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Normal values of many magnitudes, a third moved onto or next to a float32 rounding
+    boundary, plus zeros, subnormals (target and compute), NaN, ±inf and overflows."""
+    n = math.prod(shape)
+    y = torch.from_numpy(rng.normal(size=n) * 10.0 ** rng.integers(-6, 7, size=n))
+    r = y.to(torch.float32)
+    boundary = r.to(F64) + torch.sign(y) * target_ulp(r, POLICY) / 2
+    near = torch.from_numpy(rng.integers(-4, 5, size=n).astype(np.float64))
+    y = torch.where(torch.from_numpy(rng.random(n) < 0.35), boundary + near * 2.0**-52 *
+                    boundary.abs(), y)
+    specials = [0.0, -0.0, 2.0**-149, -3 * 2.0**-149, 2.0**-150, 2.0**-1074, 2.0**-1030,
+                2.0**-126, float("nan"), float("inf"), -float("inf"), 3.5e38, -1e300]
+    where = rng.choice(n, size=min(n, 4 * len(specials)), replace=False)
+    y[where] = torch.tensor(specials * 4, dtype=F64)[:where.size]
+    return y.reshape(shape)
+
+
+def hard_bounds(rng: np.random.Generator, like: torch.Tensor) -> torch.Tensor:
+    """Bounds from 0 through tiny to many ULPs, with NaN and +inf among them."""
+    e = like.abs().nan_to_num(nan=1.0, posinf=1.0) * torch.from_numpy(
+        np.exp2(-rng.uniform(10, 60, size=like.shape)))
+    e.view(-1)[::11] = 0.0
+    e.view(-1)[3::97] = float("nan")
+    e.view(-1)[5::89] = float("inf")
+    e.view(-1)[7::13] = 2.0**-152  # around `zero_band`
+    e.view(-1)[8::13] = 2.0**-151
+    return e
+
+
+def prefilter_ties(y: torch.Tensor) -> torch.Tensor:
+    """Bounds exactly at the prefilter's limit for y's even elements (half its distance from
+    the binade's midpoint equals 2e), one float64 step below it for the odd ones."""
+    bits = y.view(torch.int64)
+    low = torch.bitwise_and(bits, (1 << 29) - 1)
+    power = torch.bitwise_and(bits, 0x7FF0_0000_0000_0000).view(F64)
+    e = (low - (1 << 28)).abs().to(F64) * power * 2.0**-54
+    below = torch.nextafter(e, torch.zeros_like(e))
+    return torch.where(torch.arange(y.numel()).reshape(y.shape) % 2 == 0, e, below)
+
+
+def sites(seed: int) -> list[tuple[str, list[torch.Tensor], list]]:
+    rng = np.random.default_rng(seed)
+    y2 = hard_values(rng, (37, 53))
+    y3 = hard_values(rng, (3, 17, 29))
+    y4 = hard_values(rng, (4, 5, 6, 7))
+    norms = lambda *s: torch.from_numpy(rng.uniform(0, 4, size=s))  # noqa: E731
+    return [
+        ("relative", [y2], [Affine(2.0**-50, 1e-323)]),
+        ("relative, zero floor", [y2], [Affine(2.0**-44, 0.0)]),
+        ("rows, full", [y2], [Affine(3.0e-16, 2e-322, hard_bounds(rng, y2))]),
+        ("rows, per row", [y4], [Affine(1e-15, 1e-320, norms(4, 5, 1, 1))]),
+        ("rows, per leading", [y4], [Affine(1e-15, 0.0, norms(4, 1, 1, 1))]),
+        ("rows, broadcast inside", [y4], [Affine(1e-15, 0.0, norms(1, 5, 1, 7))]),
+        ("outer", [y2], [Affine(2.0**-48, 1e-322, norms(37), norms(53))]),
+        ("outer, bias", [y2], [Affine(2.0**-48, 1e-322, norms(37), norms(53), norms(53))]),
+        ("outer, matrix", [y2], [Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 53))]),
+        ("outer, column", [y2], [Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 1))]),
+        ("batched outer", [y3], [Affine(2.0**-47, 1e-323, norms(3, 17), norms(3, 29),
+                                        norms(29))]),
+        ("tensor", [y2], [hard_bounds(rng, y2)]),
+        ("tensor per row", [y2], [norms(37, 1) * 1e-12]),
+        ("number", [y2], [2.0**-40]),
+        ("prefilter ties", [y2.abs() + 1.0], [Affine(1.0, 0.0, prefilter_ties(y2.abs() + 1.0))]),
+        ("nan norms", [y2], [Affine(1e-16, 0.0, torch.full((37,), math.nan), norms(53))]),
+        ("foreach relative", [y2, y3, y4], [Affine(2.0**-50, 1e-323)] * 3),
+        ("mixed parts", [y2, y3, y4], [Affine(2.0**-50, 1e-323), None,
+                                       Affine(2.0**-49, 0.0, hard_bounds(rng, y4))]),
+        ("zero", [y2], [None]),
+        ("empty", [torch.zeros(0, 3, dtype=F64)], [Affine(1e-16, 0.0)]),
+    ]
+
+
+def both_passes(ys, bounds, monkeypatch):
+    flat = site_values(ys)
+    out = {}
+    for name in ("fused", "torch"):
+        monkeypatch.setattr(bandpass, "PASS", name)
+        out[name] = round_band(flat, ys, bounds, POLICY)
+    return out["fused"], out["torch"]
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_fused_pass_gives_the_bits_of_the_torch_ops(seed, monkeypatch):
+    for name, ys, bounds in sites(seed):
+        (r, cand, e), (r2, cand2, e2) = both_passes(ys, bounds, monkeypatch)
+        assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
+        assert torch.equal(cand, cand2), name
+        assert (e is None) == (e2 is None), name
+        if e is not None:
+            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+
+
+@needs_fused
+def test_the_sites_reach_every_branch(monkeypatch):
+    """The equality above means something: candidates exist in every bounded site, zeros are
+    kept or dropped by their bound, NaN bounds are in the band, zero bounds never are."""
+    found = {}
+    for name, ys, bounds in sites(0):
+        (_, cand, e), _ = both_passes(ys, bounds, monkeypatch)
+        found[name] = cand.numel()
+    assert all(found[name] > 0 for name in found if name not in ("zero", "empty")), found
+    assert found["zero"] == 0 and found["empty"] == 0
+    y = torch.tensor([0.0, 0.0, -0.0, 1.0 + 2.0**-24], dtype=F64)
+    e = torch.tensor([2.0**-152, 2.0**-151, math.nan, 0.0], dtype=F64)
+    (_, cand, _), _ = both_passes([y], [e], monkeypatch)
+    assert cand.tolist() == [1, 2]  # 0.0 with e = 2^-151 (δ = 2^-150 <= 2e); NaN bound
+    y = torch.linspace(1.0, 2.0, 1001, dtype=F64)[1:-1]
+    (_, cand, _), _ = both_passes([y], [prefilter_ties(y)], monkeypatch)
+    assert cand.tolist() == list(range(0, 999, 2))  # the limit is in, one step below is out
+
+
+@needs_fused
+def test_the_fused_pass_finds_every_element_in_the_band(monkeypatch):
+    """Soundness, not just agreement: every element with exact δ <= 2e is a candidate."""
+    from protocol.engine.precision import boundary_distance
+    for name, ys, bounds in sites(3):
+        flat = site_values(ys)
+        e = dense_bounds(ys, bounds)
+        if e is None or not flat.numel():
+            continue
+        (r, cand, _), _ = both_passes(ys, bounds, monkeypatch)
+        finite = torch.isfinite(flat) & torch.isfinite(r)
+        inside = finite & (boundary_distance(flat, r, POLICY) <= 2 * e) & (e > 0)
+        assert set(inside.nonzero().squeeze(1).tolist()) <= set(cand.tolist()), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bounds_at_indices_are_the_dense_bounds(seed):
+    rng = np.random.default_rng(seed)
+    for name, ys, bounds in sites(seed):
+        flat = site_values(ys)
+        if not flat.numel():
+            continue
+        idx = torch.from_numpy(rng.choice(flat.numel(), size=min(200, flat.numel()),
+                                          replace=False)).sort().values
+        e = dense_bounds(ys, bounds)
+        want = torch.zeros(idx.shape, dtype=F64) if e is None else e[idx]
+        assert torch.equal(bounds_at(flat, ys, bounds, idx), want), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
+    """The torch path is `band_candidates` on the dense bounds (what the fused pass copies)."""
+    monkeypatch.setattr(bandpass, "PASS", "torch")
+    for name, ys, bounds in sites(seed):
+        flat = site_values(ys)
+        e = dense_bounds(ys, bounds)
+        if e is None or not flat.numel():
+            continue
+        r, cand, ev = round_band(flat, ys, bounds, POLICY)
+        assert torch.equal(cand, band_candidates(flat, e, POLICY)), name
+        assert torch.equal(r.view(torch.int32), flat.to(torch.float32).view(torch.int32))
+
+
+@needs_fused
+@pytest.mark.parametrize("program", ["char-transformer", "image-cnn"])
+def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
+    logs, states = {}, {}
+    for name in ("fused", "torch"):
+        monkeypatch.setattr(bandpass, "PASS", name)
+        ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
+                      profile=Profile.parse("threads=2"))
+        ex.init_state(1)
+        logs[name] = [encode_log(ex.step().log) for _ in range(2)]
+        states[name] = state_digest(ex.state())
+    assert logs["fused"] == logs["torch"] and states["fused"] == states["torch"]
+    assert any(len(log) > 16 for log in logs["fused"])  # something was logged
+
+
+def test_the_fused_pass_is_refused_gracefully_for_other_policies(monkeypatch):
+    """float32 -> bfloat16 and non-CPU tensors take the torch ops even when fused is chosen."""
+    monkeypatch.setattr(bandpass, "PASS", "fused")
+    policy = PrecisionPolicy(torch.float32, torch.bfloat16)
+    y = torch.randn(100, dtype=torch.float32)
+    r, cand, e = round_band(y, [y], [Affine(2.0**-20, 0.0)], policy)
+    assert r.dtype == torch.bfloat16 and torch.equal(
+        cand, band_candidates(y, dense_bounds([y], [Affine(2.0**-20, 0.0)]), policy))
