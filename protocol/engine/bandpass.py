@@ -99,60 +99,50 @@ def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | 
     return torch.nan_to_num(e, nan=math.inf, posinf=math.inf)  # (bounds are never negative)
 
 
-def round_band(flat: torch.Tensor, ys: list[torch.Tensor], bounds: list[Bound],
-               policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(r, candidates, e at the candidates) of a site: `flat` (its values, `rounding.site_values`
-    of `ys`) rounded to nearest-even in the target dtype, the sorted flat indices that may lie
-    in the band (`precision.band_candidates`), and their bounds (float64; None if every bound
-    is 0, and then there are no candidates)."""
-    if all(b is None for b in bounds) or not flat.numel():
+def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(r, candidates, e at the candidates) of one result `y` of a site, `flat` its values in
+    logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype, the
+    sorted indices into `flat` that may lie in the band (`precision.band_candidates`), and
+    their bounds (float64; None where the bound is 0, and then there are no candidates)."""
+    if bound is None or not flat.numel():
         return flat.to(policy.target), flat.new_zeros(0, dtype=torch.int64), None
     if PASS == "fused" and flat.device.type == "cpu" and \
             (policy.compute, policy.target) == _FUSED_PAIR:
-        spec = _flat_bound(ys, bounds)
+        spec = _flat_bound(y, bound)
         r, cand = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m, spec.col,
                                            spec.add, spec.inner, spec.rows, spec.scale,
                                            spec.floor)
-        return r, cand, spec.at(flat, cand).to(torch.float64)
-    e = dense_bounds(ys, bounds)
+        return r, cand, spec.at(flat, cand)
+    e = dense_bounds([y], [bound])
     assert e is not None
     cand = band_candidates(flat, e, policy)
     return flat.to(policy.target), cand, e[cand].to(torch.float64)
 
 
-def bounds_at(flat: torch.Tensor, ys: list[torch.Tensor], bounds: list[Bound],
-              idx: torch.Tensor) -> torch.Tensor:
-    """The bounds of a site at the flat indices `idx` (float64, zeros for e = 0): the same
-    values as `dense_bounds(ys, bounds)[idx]`, without evaluating the rest (replay)."""
-    if all(b is None for b in bounds):
+def bounds_at(flat: torch.Tensor, y: torch.Tensor, bound: Bound, idx: torch.Tensor
+              ) -> torch.Tensor:
+    """The bounds of one result `y` (`flat` its values) at the indices `idx` into `flat`
+    (float64, zeros for e = 0): the same values as `dense_bounds([y], [bound])[idx]`, without
+    evaluating the rest (replay)."""
+    if bound is None:
         return torch.zeros(idx.shape, dtype=torch.float64, device=flat.device)
     if flat.dtype == torch.float64:
-        return _flat_bound(ys, bounds).at(flat, idx)
-    e = dense_bounds(ys, bounds)
+        return _flat_bound(y, bound).at(flat, idx)
+    e = dense_bounds([y], [bound])
     assert e is not None
     return e[idx].to(torch.float64)
 
 
-def _flat_bound(ys: list[torch.Tensor], bounds: list[Bound]) -> _FlatBound:
-    """The site's bounds in the form `csrc/band.cpp` reads: structured where one part (or a
-    foreach site of one relative rule) allows it, else the evaluated bounds (`dense_bounds`)."""
-    if len(ys) == 1:
-        y, b = ys[0], bounds[0]
-        if isinstance(b, Affine):
-            return _of_affine(y, b)
-        if isinstance(b, torch.Tensor):
-            return _rows(y, b, 1.0, 0.0)
-        if b is not None:  # one number for the whole result
-            return _FlatBound(_ROWS, 1.0, 0.0, torch.full((1,), float(b), dtype=torch.float64,
-                                                          device=y.device), inner=y.numel())
-    first = bounds[0]
-    if isinstance(first, Affine) and first.m is None and all(
-            isinstance(b, Affine) and b.m is None and (b.scale, b.floor) ==
-            (first.scale, first.floor) for b in bounds):
-        return _FlatBound(_RELATIVE, first.scale, first.floor)
-    e = dense_bounds(ys, bounds)
-    assert e is not None
-    return _FlatBound(_ROWS, 1.0, 0.0, e.to(torch.float64))
+def _flat_bound(y: torch.Tensor, b: Affine | torch.Tensor | float) -> _FlatBound:
+    """The bound of `y` in the form `csrc/band.cpp` reads."""
+    if isinstance(b, Affine):
+        return _of_affine(y, b)
+    if isinstance(b, torch.Tensor):
+        return _rows(y, b, 1.0, 0.0)
+    # one number for the whole result
+    return _FlatBound(_ROWS, 1.0, 0.0, torch.full((1,), float(b), dtype=torch.float64,
+                                                  device=y.device), inner=y.numel())
 
 
 def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:

@@ -58,32 +58,28 @@ def _from_bits(bits: np.ndarray, policy: PrecisionPolicy) -> torch.Tensor:
 
 
 def site_values(ys: list[torch.Tensor]) -> torch.Tensor:
-    """All of a site's values as one 1-D tensor in site order (a view for one contiguous y).
-
-    One flat tensor per site turns a foreach op over many small parameters into one band test
-    instead of one per parameter, and makes site indices plain positions in it.
-    """
+    """All of a site's values as one 1-D tensor in site order (a view for one contiguous y):
+    site indices are positions in it (the divergence probe compares sites this way)."""
     if len(ys) == 1:
         return ys[0].reshape(-1)
     return torch.cat([y.reshape(-1) for y in ys])
 
 
-def _split(r_flat: torch.Tensor, ys: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Cut a site's rounded values back into tensors shaped — and laid out — like `ys`."""
-    out, offset = [], 0
-    for y in ys:
-        part = r_flat[offset:offset + y.numel()].view(y.shape)
-        if not y.is_contiguous():  # keep the op's memory layout (e.g. channels_last)
-            part = torch.empty_like(y, dtype=r_flat.dtype).copy_(part)
-        out.append(part)
-        offset += y.numel()
-    return out
+def _shaped(r_flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`y`'s rounded values (`r_flat`, logical order) shaped — and laid out — like `y`."""
+    part = r_flat.view(y.shape)
+    if not y.is_contiguous():  # keep the op's memory layout (e.g. channels_last)
+        part = torch.empty_like(y, dtype=r_flat.dtype).copy_(part)
+    return part
 
 
 class SiteRecorder:
     """Record mode: round every site to nearest-even and log the in-band decisions.
 
-    `in_band` counts the logged elements: the trainer's freedom (SPEC §6), reported per step.
+    Each of a site's tensors gets its own band pass (`bandpass.round_band`), with no copy of
+    the site into one buffer: a foreach op's parameters are rounded where they lie, and their
+    entries are offset to site positions. `in_band` counts the logged elements: the trainer's
+    freedom (SPEC §6), reported per step.
     """
 
     def __init__(self, policy: PrecisionPolicy) -> None:
@@ -93,26 +89,33 @@ class SiteRecorder:
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
-        flat = site_values(ys)
-        r, cand, ev = round_band(flat, ys, bounds, self.policy)
-        site = SiteLog(flat.numel(), _EMPTY_INDEX, _EMPTY_UP)
-        if ev is not None and cand.numel():
-            site = self._log_band(flat.numel(), cand, flat[cand], r[cand], ev)
+        out, entries, offset = [], [], 0
+        for y, b in zip(ys, bounds, strict=True):
+            flat = y.reshape(-1)
+            r, cand, ev = round_band(flat, y, b, self.policy)
+            if ev is not None and cand.numel():
+                entries.append(self._band_entries(cand, flat[cand], r[cand], ev, offset))
+            out.append(_shaped(r, y))
+            offset += y.numel()
+        site = SiteLog(offset, _EMPTY_INDEX, _EMPTY_UP)
+        if entries:
+            site = SiteLog(offset, *(np.concatenate(parts) if len(parts) > 1 else parts[0]
+                                     for parts in zip(*entries, strict=True)))
         self.sites.append(site)
         self.in_band += site.indices.size + site.value_indices.size
-        return _split(r, ys)
+        return out
 
-    def _log_band(self, numel: int, cand: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor,
-                  ev: torch.Tensor) -> SiteLog:
-        """The site's entries among the candidates: those with δ ≤ 2e, as directions or values."""
+    def _band_entries(self, cand: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor,
+                      ev: torch.Tensor, offset: int) -> tuple[np.ndarray, ...]:
+        """The entries among one tensor's candidates — those with δ ≤ 2e, as directions or
+        values — at site positions (`offset` + index): (indices, up, value indices, values)."""
         keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
         keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
-        cand, yv, rv, ev = cand[keep], yv[keep], rv[keep], ev[keep]
+        cand, yv, rv, ev = cand[keep] + offset, yv[keep], rv[keep], ev[keep]
         wide = WIDE * ev >= target_ulp(rv, self.policy)
         narrow = ~wide
-        return SiteLog(numel, cand[narrow].cpu().numpy(),
-                       rounded_up(yv[narrow], rv[narrow]).cpu().numpy(),
-                       cand[wide].cpu().numpy(), _value_bits(rv[wide], self.policy))
+        return (cand[narrow].cpu().numpy(), rounded_up(yv[narrow], rv[narrow]).cpu().numpy(),
+                cand[wide].cpu().numpy(), _value_bits(rv[wide], self.policy))
 
     def log(self) -> RoundingLog:
         return RoundingLog(tuple(self.sites))
@@ -134,12 +137,17 @@ class SiteReplayer:
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
         site = self._next_site(op, ys)
-        flat = site_values(ys)
-        r = flat.to(self.policy.target)
-        if site.indices.size or site.value_indices.size:
-            self._apply_directions(op, flat, r, site, ys, bounds)
-            self._apply_values(op, flat, r, site, ys, bounds)
-        return _split(r, ys)
+        if not (site.indices.size or site.value_indices.size):
+            return [y.to(self.policy.target) for y in ys]  # (to() keeps a dense layout)
+        out, offset = [], 0
+        for y, b in zip(ys, bounds, strict=True):
+            flat = y.reshape(-1)
+            r = flat.to(self.policy.target)
+            self._apply_directions(op, flat, r, site, y, b, offset)
+            self._apply_values(op, flat, r, site, y, b, offset)
+            out.append(_shaped(r, y))
+            offset += y.numel()
+        return out
 
     def finish(self) -> None:
         """Raise if the log has sites the replay never reached."""
@@ -163,44 +171,55 @@ class SiteReplayer:
         self.position += 1
         return site
 
+    @staticmethod
+    def _within(indices: np.ndarray, offset: int, numel: int) -> np.ndarray:
+        """Which of a site's entry `indices` fall in the tensor at [offset, offset + numel)."""
+        return np.flatnonzero((indices >= offset) & (indices < offset + numel))
+
     def _apply_directions(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
-                          ys: list[torch.Tensor], bounds: list[Bound]) -> None:
-        """Set the direction entries of `r` to the logged neighbours, after checking validity."""
-        if not site.indices.size:
+                          y: torch.Tensor, bound: Bound, offset: int) -> None:
+        """Set the direction entries of `r` (one tensor of the site, at `offset`) to the logged
+        neighbours, after checking validity."""
+        mine = self._within(site.indices, offset, flat.numel())
+        if not mine.size:
             return
-        idx = torch.from_numpy(site.indices).to(flat.device)
+        idx = torch.from_numpy(site.indices[mine] - offset).to(flat.device)
         yv, rv = flat[idx], r[idx]
         d = boundary_distance(yv, rv, self.policy)
-        ev = bounds_at(flat, ys, bounds, idx)
+        ev = bounds_at(flat, y, bound, idx)
         valid = (ev > 0) & (d <= 4 * ev) & torch.isfinite(yv) & torch.isfinite(rv)
         bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
-            raise LogViolationError(self.step, self.position - 1, op, int(site.indices[k]),
+            raise LogViolationError(self.step, self.position - 1, op, int(site.indices[mine[k]]),
                                     float(d[k]), float(ev[k]))
-        up = torch.from_numpy(site.up).to(flat.device)
+        up = torch.from_numpy(site.up[mine]).to(flat.device)
         r[idx] = step_toward(rv, yv, up, self.policy)
 
     def _apply_values(self, op: str, flat: torch.Tensor, r: torch.Tensor, site: SiteLog,
-                      ys: list[torch.Tensor], bounds: list[Bound]) -> None:
-        """Set the value entries of `r` to the logged values, after checking validity.
+                      y: torch.Tensor, bound: Bound, offset: int) -> None:
+        """Set the value entries of `r` (one tensor of the site, at `offset`) to the logged
+        values, after checking validity.
 
         An honest value entry is the trainer's nearest-even rounding `v` of a result within `2e`
         of this one, at an in-band (`δ ≤ 2e`) and wide (`16e ≥ ulp(v)`) element; so here
         `δ' ≤ 4e'`, `32e' ≥ ulp(v)` and `|v − y'| ≤ ulp(v)/2 + 4e'` (margins of 2 on e'). A
         value entry failing any of these, or where the bound is 0, is a violation."""
-        if not site.value_indices.size:
+        mine = self._within(site.value_indices, offset, flat.numel())
+        if not mine.size:
             return
-        idx = torch.from_numpy(site.value_indices).to(flat.device)
-        over = np.flatnonzero(site.values.astype(np.uint64) >> torch.finfo(self.policy.target).bits)
+        logged = site.value_indices[mine]
+        idx = torch.from_numpy(logged - offset).to(flat.device)
+        bits = site.values[mine]
+        over = np.flatnonzero(bits.astype(np.uint64) >> torch.finfo(self.policy.target).bits)
         if over.size:
-            raise LogViolationError(self.step, self.position - 1, op,
-                                    int(site.value_indices[over[0]]), float("inf"), 0.0,
+            raise LogViolationError(self.step, self.position - 1, op, int(logged[over[0]]),
+                                    float("inf"), 0.0,
                                     note=f"its logged bits do not fit {self.policy.target}")
-        v = _from_bits(site.values, self.policy).to(flat.device)
+        v = _from_bits(bits, self.policy).to(flat.device)
         yv = flat[idx]
         distance = (v.to(torch.float64) - yv.to(torch.float64)).abs()
-        ev = bounds_at(flat, ys, bounds, idx)
+        ev = bounds_at(flat, y, bound, idx)
         ulp = target_ulp(v, self.policy)
         in_band = boundary_distance(yv, yv.to(self.policy.target), self.policy) <= 4 * ev
         valid = (ev > 0) & in_band & (2 * WIDE * ev >= ulp) & (distance <= ulp / 2 + 4 * ev) \
@@ -209,7 +228,7 @@ class SiteReplayer:
         if bad.numel():
             k = int(bad[0, 0])
             raise LogViolationError(
-                self.step, self.position - 1, op, int(site.value_indices[k]), float(distance[k]),
+                self.step, self.position - 1, op, int(logged[k]), float(distance[k]),
                 float(ev[k]), note=f"its logged value {float(v[k]):.9g} is not a choice an honest "
                                    f"machine had (it needs δ' <= 4e', 32e' >= ULP and the value "
                                    f"within ULP/2 + 4e')")

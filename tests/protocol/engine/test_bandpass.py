@@ -20,12 +20,11 @@ from protocol.codec.roundinglog import encode_log
 from protocol.codec.state import state_digest
 from protocol.engine import bandpass
 from protocol.engine.bandpass import bounds_at, dense_bounds, round_band
-from protocol.engine.bounds import Affine
+from protocol.engine.bounds import Affine, Bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy, band_candidates, target_ulp
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import load_program
-from protocol.engine.rounding import site_values
 
 POLICY = PrecisionPolicy()
 F64 = torch.float64
@@ -75,52 +74,49 @@ def prefilter_ties(y: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.arange(y.numel()).reshape(y.shape) % 2 == 0, e, below)
 
 
-def sites(seed: int) -> list[tuple[str, list[torch.Tensor], list]]:
+def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
     rng = np.random.default_rng(seed)
     y2 = hard_values(rng, (37, 53))
     y3 = hard_values(rng, (3, 17, 29))
     y4 = hard_values(rng, (4, 5, 6, 7))
     norms = lambda *s: torch.from_numpy(rng.uniform(0, 4, size=s))  # noqa: E731
+    ties = y2.abs() + 1.0
     return [
-        ("relative", [y2], [Affine(2.0**-50, 1e-323)]),
-        ("relative, zero floor", [y2], [Affine(2.0**-44, 0.0)]),
-        ("rows, full", [y2], [Affine(3.0e-16, 2e-322, hard_bounds(rng, y2))]),
-        ("rows, per row", [y4], [Affine(1e-15, 1e-320, norms(4, 5, 1, 1))]),
-        ("rows, per leading", [y4], [Affine(1e-15, 0.0, norms(4, 1, 1, 1))]),
-        ("rows, broadcast inside", [y4], [Affine(1e-15, 0.0, norms(1, 5, 1, 7))]),
-        ("outer", [y2], [Affine(2.0**-48, 1e-322, norms(37), norms(53))]),
-        ("outer, bias", [y2], [Affine(2.0**-48, 1e-322, norms(37), norms(53), norms(53))]),
-        ("outer, matrix", [y2], [Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 53))]),
-        ("outer, column", [y2], [Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 1))]),
-        ("batched outer", [y3], [Affine(2.0**-47, 1e-323, norms(3, 17), norms(3, 29),
-                                        norms(29))]),
-        ("tensor", [y2], [hard_bounds(rng, y2)]),
-        ("tensor per row", [y2], [norms(37, 1) * 1e-12]),
-        ("number", [y2], [2.0**-40]),
-        ("prefilter ties", [y2.abs() + 1.0], [Affine(1.0, 0.0, prefilter_ties(y2.abs() + 1.0))]),
-        ("nan norms", [y2], [Affine(1e-16, 0.0, torch.full((37,), math.nan), norms(53))]),
-        ("foreach relative", [y2, y3, y4], [Affine(2.0**-50, 1e-323)] * 3),
-        ("mixed parts", [y2, y3, y4], [Affine(2.0**-50, 1e-323), None,
-                                       Affine(2.0**-49, 0.0, hard_bounds(rng, y4))]),
-        ("zero", [y2], [None]),
-        ("empty", [torch.zeros(0, 3, dtype=F64)], [Affine(1e-16, 0.0)]),
+        ("relative", y2, Affine(2.0**-50, 1e-323)),
+        ("relative, zero floor", y2, Affine(2.0**-44, 0.0)),
+        ("relative, transposed", y2.t(), Affine(2.0**-50, 1e-323)),
+        ("rows, full", y2, Affine(3.0e-16, 2e-322, hard_bounds(rng, y2))),
+        ("rows, per row", y4, Affine(1e-15, 1e-320, norms(4, 5, 1, 1))),
+        ("rows, per leading", y4, Affine(1e-15, 0.0, norms(4, 1, 1, 1))),
+        ("rows, broadcast inside", y4, Affine(1e-15, 0.0, norms(1, 5, 1, 7))),
+        ("outer", y2, Affine(2.0**-48, 1e-322, norms(37), norms(53))),
+        ("outer, bias", y2, Affine(2.0**-48, 1e-322, norms(37), norms(53), norms(53))),
+        ("outer, matrix", y2, Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 53))),
+        ("outer, column", y2, Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 1))),
+        ("batched outer", y3, Affine(2.0**-47, 1e-323, norms(3, 17), norms(3, 29), norms(29))),
+        ("tensor", y2, hard_bounds(rng, y2)),
+        ("tensor per row", y2, norms(37, 1) * 1e-12),
+        ("number", y2, 2.0**-40),
+        ("prefilter ties", ties, Affine(1.0, 0.0, prefilter_ties(ties))),
+        ("nan norms", y2, Affine(1e-16, 0.0, torch.full((37,), math.nan), norms(53))),
+        ("zero", y2, None),
+        ("empty", torch.zeros(0, 3, dtype=F64), Affine(1e-16, 0.0)),
     ]
 
 
-def both_passes(ys, bounds, monkeypatch):
-    flat = site_values(ys)
+def both_passes(y, bound, monkeypatch):
     out = {}
     for name in ("fused", "torch"):
         monkeypatch.setattr(bandpass, "PASS", name)
-        out[name] = round_band(flat, ys, bounds, POLICY)
+        out[name] = round_band(y.reshape(-1), y, bound, POLICY)
     return out["fused"], out["torch"]
 
 
 @needs_fused
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_fused_pass_gives_the_bits_of_the_torch_ops(seed, monkeypatch):
-    for name, ys, bounds in sites(seed):
-        (r, cand, e), (r2, cand2, e2) = both_passes(ys, bounds, monkeypatch)
+    for name, y, bound in sites(seed):
+        (r, cand, e), (r2, cand2, e2) = both_passes(y, bound, monkeypatch)
         assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
         assert torch.equal(cand, cand2), name
         assert (e is None) == (e2 is None), name
@@ -133,17 +129,17 @@ def test_the_sites_reach_every_branch(monkeypatch):
     """The equality above means something: candidates exist in every bounded site, zeros are
     kept or dropped by their bound, NaN bounds are in the band, zero bounds never are."""
     found = {}
-    for name, ys, bounds in sites(0):
-        (_, cand, e), _ = both_passes(ys, bounds, monkeypatch)
+    for name, y, bound in sites(0):
+        (_, cand, e), _ = both_passes(y, bound, monkeypatch)
         found[name] = cand.numel()
     assert all(found[name] > 0 for name in found if name not in ("zero", "empty")), found
     assert found["zero"] == 0 and found["empty"] == 0
     y = torch.tensor([0.0, 0.0, -0.0, 1.0 + 2.0**-24], dtype=F64)
     e = torch.tensor([2.0**-152, 2.0**-151, math.nan, 0.0], dtype=F64)
-    (_, cand, _), _ = both_passes([y], [e], monkeypatch)
+    (_, cand, _), _ = both_passes(y, e, monkeypatch)
     assert cand.tolist() == [1, 2]  # 0.0 with e = 2^-151 (δ = 2^-150 <= 2e); NaN bound
     y = torch.linspace(1.0, 2.0, 1001, dtype=F64)[1:-1]
-    (_, cand, _), _ = both_passes([y], [prefilter_ties(y)], monkeypatch)
+    (_, cand, _), _ = both_passes(y, prefilter_ties(y), monkeypatch)
     assert cand.tolist() == list(range(0, 999, 2))  # the limit is in, one step below is out
 
 
@@ -151,12 +147,12 @@ def test_the_sites_reach_every_branch(monkeypatch):
 def test_the_fused_pass_finds_every_element_in_the_band(monkeypatch):
     """Soundness, not just agreement: every element with exact δ <= 2e is a candidate."""
     from protocol.engine.precision import boundary_distance
-    for name, ys, bounds in sites(3):
-        flat = site_values(ys)
-        e = dense_bounds(ys, bounds)
+    for name, y, bound in sites(3):
+        flat = y.reshape(-1)
+        e = dense_bounds([y], [bound])
         if e is None or not flat.numel():
             continue
-        (r, cand, _), _ = both_passes(ys, bounds, monkeypatch)
+        (r, cand, _), _ = both_passes(y, bound, monkeypatch)
         finite = torch.isfinite(flat) & torch.isfinite(r)
         inside = finite & (boundary_distance(flat, r, POLICY) <= 2 * e) & (e > 0)
         assert set(inside.nonzero().squeeze(1).tolist()) <= set(cand.tolist()), name
@@ -165,27 +161,27 @@ def test_the_fused_pass_finds_every_element_in_the_band(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bounds_at_indices_are_the_dense_bounds(seed):
     rng = np.random.default_rng(seed)
-    for name, ys, bounds in sites(seed):
-        flat = site_values(ys)
+    for name, y, bound in sites(seed):
+        flat = y.reshape(-1)
         if not flat.numel():
             continue
         idx = torch.from_numpy(rng.choice(flat.numel(), size=min(200, flat.numel()),
                                           replace=False)).sort().values
-        e = dense_bounds(ys, bounds)
+        e = dense_bounds([y], [bound])
         want = torch.zeros(idx.shape, dtype=F64) if e is None else e[idx]
-        assert torch.equal(bounds_at(flat, ys, bounds, idx), want), name
+        assert torch.equal(bounds_at(flat, y, bound, idx), want), name
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
     """The torch path is `band_candidates` on the dense bounds (what the fused pass copies)."""
     monkeypatch.setattr(bandpass, "PASS", "torch")
-    for name, ys, bounds in sites(seed):
-        flat = site_values(ys)
-        e = dense_bounds(ys, bounds)
+    for name, y, bound in sites(seed):
+        flat = y.reshape(-1)
+        e = dense_bounds([y], [bound])
         if e is None or not flat.numel():
             continue
-        r, cand, ev = round_band(flat, ys, bounds, POLICY)
+        r, cand, ev = round_band(flat, y, bound, POLICY)
         assert torch.equal(cand, band_candidates(flat, e, POLICY)), name
         assert torch.equal(r.view(torch.int32), flat.to(torch.float32).view(torch.int32))
 
@@ -210,6 +206,6 @@ def test_the_fused_pass_is_refused_gracefully_for_other_policies(monkeypatch):
     monkeypatch.setattr(bandpass, "PASS", "fused")
     policy = PrecisionPolicy(torch.float32, torch.bfloat16)
     y = torch.randn(100, dtype=torch.float32)
-    r, cand, e = round_band(y, [y], [Affine(2.0**-20, 0.0)], policy)
+    r, cand, e = round_band(y, y, Affine(2.0**-20, 0.0), policy)
     assert r.dtype == torch.bfloat16 and torch.equal(
         cand, band_candidates(y, dense_bounds([y], [Affine(2.0**-20, 0.0)]), policy))
