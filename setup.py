@@ -1,8 +1,8 @@
-"""Builds the fused band pass (`protocol/engine/csrc/band.cpp`, issue 13) with the machine's
-C++ compiler; everything else is in pyproject.toml. The extension is optional: where it cannot
-be built (no compiler, or one torch cannot use), the install goes on and ovt rounds through
-torch ops instead (the same bits, slower), warning each time it starts
-(`protocol.engine.bandpass`)."""
+"""Builds the fused passes of the rounding engine (`protocol/engine/csrc/fused.cpp`, issue 13)
+with the machine's C++ compiler; everything else is in pyproject.toml. The extension is
+optional: where it cannot be built (no compiler, or one torch cannot use), the install goes on
+and ovt computes the same with torch ops instead (the same bits, slower), warning each time it
+starts (`protocol.engine.fused`)."""
 
 import sys
 
@@ -16,13 +16,13 @@ class OptionalBuildExtension(BuildExtension.with_options(use_ninja=False)):
             super().build_extensions()
         except Exception as exc:  # the compiler check and the compile itself raise their own
             self.extensions = []  # nothing to copy into place or list as built
-            print(f"WARNING: ovt's fused band pass was not built ({exc}); ovt will round "
-                  f"through torch ops instead (same bits, slower record steps)", file=sys.stderr)
+            print(f"WARNING: ovt's fused passes were not built ({exc}); ovt will use torch ops "
+                  f"instead (same bits, slower record steps)", file=sys.stderr)
 
 
 setup(
     ext_modules=[CppExtension(
-        "protocol.engine._band", ["protocol/engine/csrc/band.cpp"],
+        "protocol.engine._fused", ["protocol/engine/csrc/fused.cpp"],
         # two roundings for a*b + c, as torch computes it, and no fast-math shortcuts
         extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"])],
     cmdclass={"build_ext": OptionalBuildExtension},

@@ -55,6 +55,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
+from protocol.engine.bounds import dense_bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -90,6 +91,7 @@ class OldBandCounter:
         for y, bound in zip(ys, bounds, strict=False):
             idx = band_indices(y.detach().reshape(-1), self.policy, self.tau)
             self.any_op += idx.numel()
+            bound = dense_bound(bound, y)
             if isinstance(bound, torch.Tensor):
                 coords = torch.unravel_index(idx, tuple(y.shape))
                 b = bound.to(y.device).expand(y.shape)[coords]

@@ -6,8 +6,8 @@ For each built-in program this builds four executors from one initial state S_0:
     plain64  ordinary float64 training            (mode "plain64")
     record   ovt, trainer side: records L_t       (mode "ovt", no log)
     replay   ovt, auditor side: replays L_t       (mode "ovt", the log just recorded)
-    record-torch  record with the band pass in torch ops (`OVT_BAND_PASS=torch`), not the
-             fused C++ pass: its log and state must equal record's (checked every step)
+    record-torch  record with torch ops (`OVT_FUSED=0`) instead of the fused C++ passes:
+             its log and state must equal record's (checked every step)
 
 and runs them interleaved, one step of each per step index, so that a noisy shared machine
 slows all four alike. Warm-up steps are discarded; the table reports medians of the step's own
@@ -39,7 +39,7 @@ import torch
 
 from protocol.codec.roundinglog import encode_log, size_report
 from protocol.codec.state import state_digest
-from protocol.engine import bandpass
+from protocol.engine import fused
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -90,13 +90,13 @@ def state_in(state: dict, dtype: torch.dtype) -> dict:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def _with_torch_band_pass(step):
-    """Run `step()` with the band pass in torch ops instead of the fused C++ operator."""
-    saved, bandpass.PASS = bandpass.PASS, "torch"
+def _with_torch_ops(step):
+    """Run `step()` with torch ops instead of the fused C++ passes."""
+    saved, fused.ENABLED = fused.ENABLED, False
     try:
         return step()
     finally:
-        bandpass.PASS = saved
+        fused.ENABLED = saved
 
 
 def _median(xs):
@@ -134,7 +134,7 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
                 if role == "replay":
                     out = execs[role].step(res["record"].log)
                 elif role == "record-torch":
-                    out = _with_torch_band_pass(execs[role].step)
+                    out = _with_torch_ops(execs[role].step)
                 else:
                     out = execs[role].step()
                 res.setdefault(role, out)  # the first repeat's result (and log)
@@ -223,7 +223,7 @@ def print_table(summaries: list[dict], meta: dict) -> None:
           f"(+{meta['warmup']} warm-up), each the fastest of {meta['repeats']} repeats")
     print(f"profile {meta['profile']}, replay profile {meta['replay_profile']}, "
           f"policy {meta['policy']}, certified bands (bound rules v{meta['bound_rules']}), "
-          f"band pass of record: {meta['band_pass']}")
+          f"fused passes in record: {meta['fused']}")
     print(f"torch {meta['torch']}, {meta['cpu_capability']}, python {meta['python']}, "
           f"{meta['machine']}")
     names = [s["program"] for s in summaries]
@@ -336,8 +336,8 @@ def main(argv=None) -> int:
                                                       + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
-        "band_pass": bandpass.PASS if bandpass.FUSED_ERROR is None
-        else f"torch ops (the fused pass is not built: {bandpass.FUSED_ERROR})",
+        "fused": "yes" if fused.ENABLED
+        else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})",
     }
     if meta["loadavg_start"] > 0.5 and not args.quiet:
         print(f"warning: 1-min load average is {meta['loadavg_start']:.2f} on {os.cpu_count()} "

@@ -4,50 +4,34 @@ The recorder needs, for every site, `r = y.to(target)` and the elements that may
 `2e` of a rounding boundary (`precision.band_candidates`, a superset it then checks exactly).
 Done with torch ops, that is a dozen passes over the site: evaluating the bounds, the bit
 tricks of the prefilter, the `nonzero`. `round_band` does it in one read of `y` through the
-C++ operator `torch.ops.ovt.round_band` (`csrc/band.cpp`, built by `pip install`), which also
+C++ operator `torch.ops.ovt.round_band` (`csrc/fused.cpp`, `fused`), which also
 evaluates each element's bound (`bounds.Affine`: the relative rules need only `|y|`, the
 matmul family row and column norms) on the way. Both ways give the same bits
 (tests/protocol/engine/test_bandpass.py).
 
 The fused pass serves the float64 -> float32 policy on the CPU. Everything else — CUDA, where
-the torch ops run as fast kernels anyway; the float32 -> bfloat16 policy; an install where the
-extension could not be built, which is said once, loudly — runs the torch ops. The environment
-variable `OVT_BAND_PASS=torch` forces the torch ops (for comparisons).
+the torch ops run as fast kernels anyway; the float32 -> bfloat16 policy; an install without
+the extension (`fused`) — runs the torch ops.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 
+from protocol.engine import fused
 from protocol.engine.bounds import Affine, Bound
 from protocol.engine.precision import PrecisionPolicy, band_candidates
 
-try:
-    from protocol.engine import _band  # noqa: F401  (loading it registers torch.ops.ovt)
-    FUSED_ERROR = None
-except ImportError as exc:  # not built: no compiler, or an install that skipped it
-    FUSED_ERROR = str(exc)
-    warnings.warn(f"ovt: the fused band pass is not built ({FUSED_ERROR}); rounding through "
-                  f"torch ops instead: the same bits, but record steps are slower. Reinstall "
-                  f"with a C++ compiler present (pip install -e .) to build it.",
-                  RuntimeWarning, stacklevel=1)
-
-# "fused" where the operator is there, unless OVT_BAND_PASS=torch asks for the torch ops.
-PASS = "torch" if FUSED_ERROR is not None or os.environ.get("OVT_BAND_PASS") == "torch" \
-    else "fused"
-
-_RELATIVE, _ROWS, _OUTER = 0, 1, 2  # csrc/band.cpp `Mode`
+_RELATIVE, _ROWS, _OUTER = 0, 1, 2  # csrc/fused.cpp `Mode`
 _FUSED_PAIR = (torch.float64, torch.float32)
 
 
 @dataclass(frozen=True)
 class _FlatBound:
-    """A site's bounds over its flat values, as `csrc/band.cpp` reads them: element i's base is
+    """A site's bounds over its flat values, as `csrc/fused.cpp` reads them: element i's base is
     |y_i| (relative), m[i // inner] (rows), or m[i // inner]·col[(i // (rows·inner))·inner +
     i % inner] (+ add[i % inner] or add[i]) (outer); e = base·scale + floor."""
 
@@ -107,13 +91,12 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
     their bounds (float64; None where the bound is 0, and then there are no candidates)."""
     if bound is None or not flat.numel():
         return flat.to(policy.target), flat.new_zeros(0, dtype=torch.int64), None
-    if PASS == "fused" and flat.device.type == "cpu" and \
-            (policy.compute, policy.target) == _FUSED_PAIR:
+    if fused.serves(flat) and (policy.compute, policy.target) == _FUSED_PAIR:
         spec = _flat_bound(y, bound)
         r, cand = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m, spec.col,
                                            spec.add, spec.inner, spec.rows, spec.scale,
                                            spec.floor)
-        return r, cand, spec.at(flat, cand)
+        return r, cand, spec.at(flat, cand) if cand.numel() else cand.to(torch.float64)
     e = dense_bounds([y], [bound])
     assert e is not None
     cand = band_candidates(flat, e, policy)
@@ -135,7 +118,7 @@ def bounds_at(flat: torch.Tensor, y: torch.Tensor, bound: Bound, idx: torch.Tens
 
 
 def _flat_bound(y: torch.Tensor, b: Affine | torch.Tensor | float) -> _FlatBound:
-    """The bound of `y` in the form `csrc/band.cpp` reads."""
+    """The bound of `y` in the form `csrc/fused.cpp` reads."""
     if isinstance(b, Affine):
         return _of_affine(y, b)
     if isinstance(b, torch.Tensor):

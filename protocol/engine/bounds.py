@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.engine import fused
 from protocol.engine.precision import PrecisionPolicy, target_ulp
 
 SAFETY = 2.0
@@ -292,17 +293,44 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     """A plain sum: the reduction rule, except where every order is exact (`_exact_where`)."""
     x = args[0]
     k = _sum_count(args, kwargs, ys[0])
-    magnitudes = _abs(x)
-    s = func(magnitudes, *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
+    s = func(_abs(x), *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
-    if not isinstance(bound, Affine) or not _holds_target_values(ctx, x):
-        return [bound]
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
     reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
-    nonzero = magnitudes.masked_fill(x == 0, math.inf)
-    smallest = nonzero.amin(dim=reduced, keepdim=keepdim) if reduced else nonzero
+    smallest = _smallest_terms(ctx, x, reduced, keepdim)
+    if not isinstance(bound, Affine) or smallest is None:
+        return [bound]
     return [_exact_where(ctx, k, s, smallest, bound)]
+
+
+def _smallest_terms(ctx, x: torch.Tensor, reduced: list[int], keepdim: bool
+                    ) -> torch.Tensor | None:
+    """For each result of summing `x` over `reduced`: its smallest nonzero |term| (+inf where
+    every term is zero). None where `x` is empty or holds other than target values (every
+    input of a step's sites holds target values, SPEC §3.2: checked, since the exactness
+    argument rests on it; a NaN fails it too). One fused pass (`fused`) where `reduced` is a
+    run of dimensions of a contiguous float64 `x`, else torch ops."""
+    if not x.numel():
+        return None
+    first = min(reduced, default=0)
+    last = max(reduced, default=-1)
+    if fused.serves(x) and ctx.policy.compute == torch.float64 and \
+            ctx.policy.target == torch.float32 and x.is_contiguous() and \
+            sorted(reduced) == list(range(first, last + 1)):
+        shape = x.shape
+        smallest, representable = torch.ops.ovt.sum_terms(
+            x, math.prod(shape[:first]), math.prod(shape[first:last + 1]),
+            math.prod(shape[last + 1:]))
+        if not representable:
+            return None
+        kept = [1 if d in reduced else n for d, n in enumerate(shape)] if keepdim else \
+            [n for d, n in enumerate(shape) if d not in reduced]
+        return smallest.reshape(kept)
+    if not _holds_target_values(ctx, x):
+        return None
+    nonzero = x.abs().masked_fill(x == 0, math.inf)
+    return nonzero.amin(dim=reduced, keepdim=keepdim) if reduced else nonzero
 
 
 def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:

@@ -40,13 +40,13 @@ class CapturingRecorder(SiteRecorder):
         super().__init__(policy)
         self._values_path, self._index_path = probe_paths(directory, step)
         self._file = self._values_path.open("wb")
-        self._sites: list[tuple[int, int]] = []
+        self._probe_sites: list[tuple[int, int]] = []
         self._offset = 0
 
     def round_site(self, op, ys, bounds):
         values = site_values(ys).detach().cpu().contiguous().numpy()
         self._file.write(values.tobytes())
-        self._sites.append((self._offset, values.size))
+        self._probe_sites.append((self._offset, values.size))
         self._offset += values.size
         return super().round_site(op, ys, bounds)
 
@@ -54,7 +54,7 @@ class CapturingRecorder(SiteRecorder):
         """Finish the probe: flush the values and write their index."""
         self._file.close()
         self._index_path.write_text(json.dumps(
-            {"dtype": dtype_name(self.policy.compute), "sites": self._sites}))
+            {"dtype": dtype_name(self.policy.compute), "sites": self._probe_sites}))
 
 
 @dataclass
@@ -95,6 +95,9 @@ class ComparingReplayer(SiteReplayer):
         self._values = np.memmap(values_path, dtype=np.dtype(index["dtype"]), mode="r") \
             if values_path.stat().st_size else np.zeros(0)
         self.report = report
+
+    def bounds_needed(self) -> bool:
+        return True  # every site's divergence is measured against its bounds
 
     def round_site(self, op, ys, bounds: list[Bound]):
         k = self.position

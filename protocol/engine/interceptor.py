@@ -117,8 +117,10 @@ class RoundingMode(TorchDispatchMode):
 
     `rounder` is a `SiteRecorder` (record mode) or `SiteReplayer` (replay mode); anything with
     `round_site(op_name, [tensors], [bounds]) -> [tensors]` works (the divergence probe and the
-    bound adversary use that). `randomness` serves the step's RANDOM ops; without it they are
-    refused.
+    bound adversary use that). One with `bounds_needed() -> bool` is asked before each site
+    whether it reads the bounds; where it does not (a replayed site with no log entries: most
+    of them) they are not computed. `randomness` serves the step's RANDOM ops; without it they
+    are refused.
     """
 
     def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute,
@@ -174,8 +176,10 @@ class RoundingMode(TorchDispatchMode):
         if not any(found):
             return self._no_float_inputs(func, rule, args, kwargs)
         assert rule is not None  # an op reading floats without a rule was decomposed
+        if not self._bounds_needed():
+            rule = None  # (e = 0 for the rounder, which does not read it)
         inputs = (wide_args, wide_kwargs)
-        if writes and rule.reads_inputs:  # the rule needs what the op is about to overwrite
+        if writes and rule is not None and rule.reads_inputs:  # it reads what the op overwrites
             inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
         out = self.compute(func, wide_args, wide_kwargs)
         keep_compute = requested == self.policy.compute or (requested is None and not found[0])
@@ -228,6 +232,8 @@ class RoundingMode(TorchDispatchMode):
             return out
         if rule is None:
             return self._decompose(func, args, kwargs)
+        if not self._bounds_needed():
+            rule = None
         compute = self.policy.compute
         wide_args, wide_kwargs = tree_map(self._widen_exact, (args, kwargs))
         if "dtype" in {a.name for a in func._schema.arguments}:
@@ -235,6 +241,10 @@ class RoundingMode(TorchDispatchMode):
         out = self.compute(func, wide_args, wide_kwargs)
         return self._round_results(func, rule, (wide_args, wide_kwargs), out, [],
                                    keep_compute=self.policy.target not in made)
+
+    def _bounds_needed(self) -> bool:
+        needed = getattr(self.rounder, "bounds_needed", None)
+        return needed is None or needed()
 
     def _widen_exact(self, value):
         if isinstance(value, torch.Tensor) and not value.is_floating_point() \

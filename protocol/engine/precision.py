@@ -129,14 +129,16 @@ def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPo
     # distance from the binade's midpoint in compute ULPs, times the compute ULP of y's binade
     scale = torch.bitwise_and(bits, fmt["exp_mask"]).view(flat.dtype)  # 2**E; 0 for 0/subnormal
     far = (low - (1 << (shift - 1))).abs().to(flat.dtype) * scale
-    mask = far <= bound * 2.0 ** (fmt["compute_mantissa"] + 2)  # far * 2**-p / 2 <= 2e
+    # far * 2**-p / 2 <= 2e, for a finite y. The comparisons are negated (as in the fused
+    # pass, csrc/band.cpp, where that keeps them branch-free) so that a NaN bound is in the band.
     magnitude = torch.bitwise_and(bits, fmt["abs_mask"])
+    mask = ~(far > bound * 2.0 ** (fmt["compute_mantissa"] + 2)) & (magnitude < fmt["exp_mask"])
     # Below the target's smallest normal the ULP differs: every such value is a candidate,
     # except a zero (the causal mask's exp(-inf), a ReLU's), whose δ is exactly half the
     # smallest subnormal, in the band only from e = `zero_band`.
-    small = (magnitude != 0) | (bound >= policy.zero_band)
+    small = (magnitude != 0) | ~(bound < policy.zero_band)
     keep = torch.where(magnitude < fmt["min_normal_bits"], small, mask)
-    return (keep & (bound > 0)).nonzero().squeeze(1)
+    return (keep & ~(bound <= 0)).nonzero().squeeze(1)
 
 
 def boundary_distance(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:

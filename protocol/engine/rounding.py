@@ -77,48 +77,74 @@ class SiteRecorder:
     """Record mode: round every site to nearest-even and log the in-band decisions.
 
     Each of a site's tensors gets its own band pass (`bandpass.round_band`), with no copy of
-    the site into one buffer: a foreach op's parameters are rounded where they lie, and their
-    entries are offset to site positions. `in_band` counts the logged elements: the trainer's
-    freedom (SPEC §6), reported per step.
+    the site into one buffer: a foreach op's parameters are rounded where they lie. The pass
+    returns candidates, a superset of the band; which of them are entries, and of which kind,
+    does not change what the step computes, so it is decided for all the sites since the last
+    look in one batch (`sites`, `log`), not in a dozen small tensor ops per site.
     """
 
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
-        self.sites: list[SiteLog] = []
-        self.in_band = 0
+        self._numels: list[int] = []  # per site rounded so far
+        # per tensor with candidates: (site, site positions, y, RNE(y), e) at the candidates
+        self._candidates: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
+                                     torch.Tensor]] = []
+        self._sites: list[SiteLog] = []  # the first sites, decided
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
-        out, entries, offset = [], [], 0
+        out, offset, site = [], 0, len(self._numels)
         for y, b in zip(ys, bounds, strict=True):
             flat = y.reshape(-1)
             r, cand, ev = round_band(flat, y, b, self.policy)
             if ev is not None and cand.numel():
-                entries.append(self._band_entries(cand, flat[cand], r[cand], ev, offset))
+                self._candidates.append((site, cand + offset, flat[cand], r[cand], ev))
             out.append(_shaped(r, y))
             offset += y.numel()
-        site = SiteLog(offset, _EMPTY_INDEX, _EMPTY_UP)
-        if entries:
-            site = SiteLog(offset, *(np.concatenate(parts) if len(parts) > 1 else parts[0]
-                                     for parts in zip(*entries, strict=True)))
-        self.sites.append(site)
-        self.in_band += site.indices.size + site.value_indices.size
+        self._numels.append(offset)
         return out
 
-    def _band_entries(self, cand: torch.Tensor, yv: torch.Tensor, rv: torch.Tensor,
-                      ev: torch.Tensor, offset: int) -> tuple[np.ndarray, ...]:
-        """The entries among one tensor's candidates — those with δ ≤ 2e, as directions or
-        values — at site positions (`offset` + index): (indices, up, value indices, values)."""
-        keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
-        keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
-        cand, yv, rv, ev = cand[keep] + offset, yv[keep], rv[keep], ev[keep]
-        wide = WIDE * ev >= target_ulp(rv, self.policy)
-        narrow = ~wide
-        return (cand[narrow].cpu().numpy(), rounded_up(yv[narrow], rv[narrow]).cpu().numpy(),
-                cand[wide].cpu().numpy(), _value_bits(rv[wide], self.policy))
+    @property
+    def sites(self) -> list[SiteLog]:
+        """The sites rounded so far, each with its entries."""
+        if len(self._sites) < len(self._numels):
+            self._decide()
+        return self._sites
 
     def log(self) -> RoundingLog:
         return RoundingLog(tuple(self.sites))
+
+    def _decide(self) -> None:
+        """The entries of the undecided sites: the candidates with δ ≤ 2e, as directions or
+        values (module docstring), in one batch."""
+        pending, self._candidates = self._candidates, []
+        first = len(self._sites)
+        groups: dict[int, tuple[np.ndarray, ...]] = {}
+        if pending:
+            site = torch.cat([torch.full((c[1].numel(),), c[0], dtype=torch.int64)
+                              for c in pending])
+            pos, yv = torch.cat([c[1] for c in pending]), torch.cat([c[2] for c in pending])
+            rv, ev = torch.cat([c[3] for c in pending]), torch.cat([c[4] for c in pending])
+            keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
+            keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
+            keep_np = keep.cpu().numpy()
+            site_np, pos, yv, rv, ev = site.numpy()[keep_np], pos[keep], yv[keep], rv[keep], \
+                ev[keep]
+            wide = (WIDE * ev >= target_ulp(rv, self.policy)).cpu().numpy()
+            pos_np = pos.cpu().numpy()
+            up = rounded_up(yv, rv).cpu().numpy()
+            values = _value_bits(rv, self.policy)
+            # the candidates came in site order, each site's in increasing position
+            bounds = np.searchsorted(site_np, np.arange(first, len(self._numels) + 1))
+            for k in range(first, len(self._numels)):
+                lo, hi = bounds[k - first], bounds[k - first + 1]
+                if lo < hi:
+                    narrow = ~wide[lo:hi]
+                    groups[k] = (pos_np[lo:hi][narrow], up[lo:hi][narrow],
+                                 pos_np[lo:hi][~narrow], values[lo:hi][~narrow])
+        for k in range(first, len(self._numels)):
+            self._sites.append(SiteLog(self._numels[k], *groups[k]) if k in groups else
+                               SiteLog(self._numels[k], _EMPTY_INDEX, _EMPTY_UP))
 
 
 class SiteReplayer:
@@ -148,6 +174,15 @@ class SiteReplayer:
             out.append(_shaped(r, y))
             offset += y.numel()
         return out
+
+    def bounds_needed(self) -> bool:
+        """Whether the next site has log entries, the only sites whose bounds replay reads
+        (`RoundingMode` computes no bounds for the others). Past the log's end: True, so that
+        `round_site` reports the overrun."""
+        if self.position >= len(self.log.sites):
+            return True
+        site = self.log.sites[self.position]
+        return bool(site.indices.size or site.value_indices.size)
 
     def finish(self) -> None:
         """Raise if the log has sites the replay never reached."""
@@ -255,15 +290,19 @@ class BoundAdversary:
                    ) -> list[torch.Tensor]:
         moved = []
         for y, b in zip(ys, bounds, strict=True):
-            if b is None:
+            e = dense_bound(b, y)
+            if e is None:
                 moved.append(y)
                 continue
             r = y.to(self.policy.target)
-            shift = toward_boundary(y, r, self.policy) * (dense_bound(b, y) / SAFETY)
+            shift = toward_boundary(y, r, self.policy) * (e / SAFETY)
             pushed = torch.where(torch.isfinite(y) & torch.isfinite(r), y + shift, y)
             moved.append(pushed if y.is_contiguous() else
                          torch.empty_like(y).copy_(pushed))
         return self.inner.round_site(op, moved, bounds)
 
+    def bounds_needed(self) -> bool:
+        return True  # it moves every element by its bound
+
     def __getattr__(self, name: str):
-        return getattr(self.inner, name)  # log(), finish(), in_band... of the wrapped rounder
+        return getattr(self.inner, name)  # log(), finish(), sites... of the wrapped rounder

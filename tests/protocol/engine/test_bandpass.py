@@ -18,7 +18,7 @@ import torch
 
 from protocol.codec.roundinglog import encode_log
 from protocol.codec.state import state_digest
-from protocol.engine import bandpass
+from protocol.engine import fused
 from protocol.engine.bandpass import bounds_at, dense_bounds, round_band
 from protocol.engine.bounds import Affine, Bound
 from protocol.engine.executor import Executor
@@ -29,9 +29,8 @@ from protocol.engine.programs.registry import load_program
 POLICY = PrecisionPolicy()
 F64 = torch.float64
 
-needs_fused = pytest.mark.skipif(bandpass.FUSED_ERROR is not None,
-                                 reason=f"the fused band pass is not built: "
-                                        f"{bandpass.FUSED_ERROR}")
+needs_fused = pytest.mark.skipif(fused.MISSING is not None,
+                                 reason=f"the fused passes are not built: {fused.MISSING}")
 
 
 def hard_values(rng: np.random.Generator, shape: tuple[int, ...]) -> torch.Tensor:
@@ -107,7 +106,7 @@ def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
 def both_passes(y, bound, monkeypatch):
     out = {}
     for name in ("fused", "torch"):
-        monkeypatch.setattr(bandpass, "PASS", name)
+        monkeypatch.setattr(fused, "ENABLED", name == "fused")
         out[name] = round_band(y.reshape(-1), y, bound, POLICY)
     return out["fused"], out["torch"]
 
@@ -175,7 +174,7 @@ def test_bounds_at_indices_are_the_dense_bounds(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
     """The torch path is `band_candidates` on the dense bounds (what the fused pass copies)."""
-    monkeypatch.setattr(bandpass, "PASS", "torch")
+    monkeypatch.setattr(fused, "ENABLED", False)
     for name, y, bound in sites(seed):
         flat = y.reshape(-1)
         e = dense_bounds([y], [bound])
@@ -191,7 +190,7 @@ def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
 def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
     logs, states = {}, {}
     for name in ("fused", "torch"):
-        monkeypatch.setattr(bandpass, "PASS", name)
+        monkeypatch.setattr(fused, "ENABLED", name == "fused")
         ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
                       profile=Profile.parse("threads=2"))
         ex.init_state(1)
@@ -203,9 +202,48 @@ def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
 
 def test_the_fused_pass_is_refused_gracefully_for_other_policies(monkeypatch):
     """float32 -> bfloat16 and non-CPU tensors take the torch ops even when fused is chosen."""
-    monkeypatch.setattr(bandpass, "PASS", "fused")
+    monkeypatch.setattr(fused, "ENABLED", True)
     policy = PrecisionPolicy(torch.float32, torch.bfloat16)
     y = torch.randn(100, dtype=torch.float32)
     r, cand, e = round_band(y, y, Affine(2.0**-20, 0.0), policy)
     assert r.dtype == torch.bfloat16 and torch.equal(
         cand, band_candidates(y, dense_bounds([y], [Affine(2.0**-20, 0.0)]), policy))
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fused_sum_terms_are_the_torch_ones(seed, monkeypatch):
+    """`bounds._smallest_terms` both ways, over every run of dimensions (and a 0-d sum):
+    terms of many magnitudes, with zeros, -0, subnormals; then one non-float32 term, one NaN
+    and one inf in turn, each of which must (or, for inf, need not) refuse the exact rule."""
+    from protocol.engine.bounds import BoundContext, _smallest_terms
+    ctx = BoundContext(POLICY)
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.normal(size=(5, 6, 7)) * 10.0 ** rng.integers(-8, 8, size=(5, 6, 7)))
+    x = x.to(torch.float32).to(F64)
+    x.view(-1)[::5] = 0.0
+    x.view(-1)[1::11] = -0.0
+    x.view(-1)[2::17] = 2.0**-149
+    x[1, :, 3] = 0.0  # a column of zeros: +inf
+    cases = [x, x.clone().fill_(0.0), torch.tensor(3.0, dtype=F64)]
+    for bad in (1.0 + 2.0**-40, math.nan, math.inf):
+        y = x.clone()
+        y[2, 3, 4] = bad
+        cases.append(y)
+    runs = [[0], [1], [2], [0, 1], [1, 2], [0, 1, 2], [-1], [2, 1]]
+    for t in cases:
+        for dims in (runs if t.dim() else [[]]):
+            for keepdim in (False, True):
+                reduced = [d % max(t.dim(), 1) for d in dims]
+                got = {}
+                for on in (True, False):
+                    monkeypatch.setattr(fused, "ENABLED", on)
+                    got[on] = _smallest_terms(ctx, t, reduced, keepdim)
+                assert (got[True] is None) == (got[False] is None), (dims, keepdim)
+                if got[True] is not None:
+                    assert got[True].shape == got[False].shape
+                    assert torch.equal(got[True], got[False]), (dims, keepdim)
+    monkeypatch.setattr(fused, "ENABLED", True)
+    assert _smallest_terms(ctx, cases[3], [0], False) is None  # not a float32 value
+    assert _smallest_terms(ctx, cases[4], [0], False) is None  # NaN
+    assert torch.isinf(_smallest_terms(ctx, x, [1], False)[1, 3])  # the column of zeros

@@ -1,0 +1,304 @@
+// The fused passes of the rounding engine (issue 13; protocol/engine/fused.py), each one read
+// of its input computing what a sequence of torch ops computes, the same bits (checked by
+// tests/protocol/engine/test_bandpass.py):
+// - round_band, the recorder's band pass (SPEC §3.2): a site's float64 values give their
+//   float32 roundings and the flat indices that may lie in the band, with each element's bound
+//   e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
+//   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
+// - sum_terms, what the exact-sum rule (bounds.py `_sum`) needs of a sum's terms.
+//
+// Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
+// never one fused multiply-add.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <Python.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// float64 -> float32 facts (precision.py `_FORMATS`): the 29 low bits of a float64 are its
+// position inside a float32 ULP; 2**54 turns "half the distance <= 2e" into one compare.
+constexpr int kShift = 52 - 23;
+constexpr int64_t kLowMask = (int64_t{1} << kShift) - 1;
+constexpr int64_t kHalf = int64_t{1} << (kShift - 1);
+constexpr int64_t kExpMask = 0x7FF0000000000000LL;
+constexpr int64_t kAbsMask = 0x7FFFFFFFFFFFFFFFLL;
+constexpr int64_t kMinNormalBits = int64_t{1023 - 126} << 52;
+constexpr double kBandScale = 18014398509481984.0;  // 2**54
+constexpr double kZeroBand = 0x1p-151;  // a zero is in the band from e = this (precision.py)
+constexpr int64_t kTwo52Bits = 0x4330000000000000LL;  // the bits of 2**52
+constexpr int64_t kInfBits = 0x7FF0000000000000LL;   // the bits of +inf
+constexpr int64_t kGrain = 1 << 15;                  // elements per chunk of work
+
+// How an element's `base` is found (bounds.py `Affine`, in the same order).
+enum Mode : int64_t {
+  kRelative = 0,  // base = |y_i|
+  kRows = 1,      // base = m[i / inner]  (m holds one value per run of `inner` elements)
+  kOuter = 2,     // base = m[i / inner] * col[(i / (rows * inner)) * inner + i % inner]
+                  //        (+ add[i % inner] or + add[i], where `add` is given)
+};
+
+struct Spec {
+  int64_t mode;
+  const double* m;
+  const double* col;
+  const double* add;
+  bool add_per_column;
+  int64_t inner;
+  int64_t rows;
+  double scale;
+  double floor;
+};
+
+__attribute__((always_inline)) inline double as_double(int64_t bits) { return __builtin_bit_cast(double, bits); }
+
+// Whether y may lie within 2e of a rounding boundary: precision.py `band_candidates`, the same
+// operations in the same order. Branch-free, so that the loops calling it vectorise; its
+// comparisons are negated so that a NaN bound (which certifies nothing) lands in the band;
+// a NaN or infinite y never does (no rounding choice).
+__attribute__((always_inline)) inline int64_t in_band(double y, double e) {
+  const int64_t bits = __builtin_bit_cast(int64_t, y);
+  // y's position inside its float32 ULP in compute ULPs, the low 29 bits as a number (exact:
+  // (2**52 + low) - 2**52), and 2**E of y's binade (0 below normals): `far` is 2**52 times
+  // the distance from the ULP's midpoint
+  const double low = as_double(kTwo52Bits | (bits & kLowMask)) - 0x1p52;
+  const double power = as_double(bits & kExpMask);
+  const double far = std::fabs(low - static_cast<double>(kHalf)) * power;
+  const int64_t magnitude = bits & kAbsMask;
+  // below float32's smallest normal the ULP differs: a candidate, except a zero under e < 2^-151
+  const int64_t small = magnitude < kMinNormalBits;
+  const int64_t small_keep =
+      static_cast<int64_t>(magnitude != 0) | static_cast<int64_t>(!(e < kZeroBand));
+  const int64_t normal_keep =
+      static_cast<int64_t>(!(far > e * kBandScale)) & static_cast<int64_t>(magnitude < kExpMask);
+  // e = 0: a correctly rounded result, never in the band
+  return static_cast<int64_t>(!(e <= 0)) & ((small & small_keep) | ((1 - small) & normal_keep));
+}
+
+// Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
+// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and one
+// flag per element, and only a block with a flag set is scanned for its indices.
+template <typename Base>
+__attribute__((always_inline)) inline void scan_range(const double* y, float* r, int64_t begin, int64_t end, double scale,
+                       double floor, Base base, std::vector<int64_t>& out) {
+  constexpr int64_t kBlock = 256;
+  int64_t flags[kBlock];
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    int64_t any = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const double v = y[b + k];
+      r[b + k] = static_cast<float>(v);
+      const int64_t flag = in_band(v, scale * base(b + k, v) + floor);
+      flags[k] = flag;
+      any |= flag;
+    }
+    if (any) {
+      for (int64_t k = 0; k < n; ++k) {
+        if (flags[k]) out.push_back(b + k);
+      }
+    }
+  }
+}
+
+// One chunk [begin, end) of a site, in the mode of `s`; compiled for AVX2 too, chosen at load.
+__attribute__((target_clones("avx2", "default")))
+void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
+          std::vector<int64_t>& out) {
+  const double scale = s.scale, floor = s.floor;
+  if (s.mode == kRelative) {
+    scan_range(y, r, begin, end, scale, floor, [](int64_t, double v) { return std::fabs(v); },
+               out);
+    return;
+  }
+  if (s.mode == kRows && s.inner == 1) {
+    const double* m = s.m;
+    scan_range(y, r, begin, end, scale, floor, [m](int64_t i, double) { return m[i]; }, out);
+    return;
+  }
+  // Row by row: a row's factor (and its column block) is found once, not per element.
+  int64_t i = begin, row = begin / s.inner, j = begin % s.inner;
+  while (i < end) {
+    const int64_t stop = std::min(end, i + (s.inner - j));
+    const int64_t start = i - j;  // the row's first element
+    const double m = s.m[row];
+    if (s.mode == kRows) {
+      scan_range(y, r, i, stop, scale, floor, [m](int64_t, double) { return m; }, out);
+    } else {
+      const double* col = s.col + (row / s.rows) * s.inner - start;  // col[idx] for idx in row
+      if (s.add == nullptr) {
+        scan_range(y, r, i, stop, scale, floor,
+                   [m, col](int64_t idx, double) { return m * col[idx]; }, out);
+      } else {
+        const double* add = s.add_per_column ? s.add - start : s.add;
+        scan_range(y, r, i, stop, scale, floor,
+                   [m, col, add](int64_t idx, double) { return m * col[idx] + add[idx]; }, out);
+      }
+    }
+    i = stop;
+    j = 0;
+    ++row;
+  }
+}
+
+// Columns [i0, i1) of one (reduced, inner) block of `sum_terms`: writes each column's smallest
+// nonzero magnitude (as bits) to m and returns whether every element read is a float32 value.
+__attribute__((target_clones("avx2", "default")))
+int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inner, int64_t i0,
+                       int64_t i1) {
+  int64_t ok = 1;
+  for (int64_t i = i0; i < i1; ++i) m[i] = kInfBits;
+  for (int64_t r = 0; r < reduced; ++r) {
+    const double* row = x + r * inner;
+    for (int64_t i = i0; i < i1; ++i) {
+      const double v = row[i];
+      const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
+      const int64_t key = magnitude == 0 ? kInfBits : magnitude;
+      m[i] = key < m[i] ? key : m[i];
+      ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+    }
+  }
+  return ok;
+}
+
+// Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
+// into m, and whether every element read is a float32 value.
+__attribute__((target_clones("avx2", "default")))
+int64_t smallest_in_rows(const double* x, int64_t* m, int64_t reduced, int64_t o0, int64_t o1) {
+  int64_t ok = 1;
+  for (int64_t o = o0; o < o1; ++o) {
+    const double* row = x + o * reduced;
+    int64_t best = kInfBits;
+    for (int64_t r = 0; r < reduced; ++r) {
+      const double v = row[r];
+      const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
+      const int64_t key = magnitude == 0 ? kInfBits : magnitude;
+      best = key < best ? key : best;
+      ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+    }
+    m[o] = best;
+  }
+  return ok;
+}
+
+const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.has_value(), "round_band: this mode needs ", name);
+  TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->device().is_cpu(),
+              "round_band: ", name, " must be a contiguous float64 CPU tensor");
+  TORCH_CHECK(t->numel() == numel, "round_band: ", name, " has ", t->numel(),
+              " elements, expected ", numel);
+  return t->data_ptr<double>();
+}
+
+std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
+                                              const c10::optional<at::Tensor>& m,
+                                              const c10::optional<at::Tensor>& col,
+                                              const c10::optional<at::Tensor>& add, int64_t inner,
+                                              int64_t rows, double scale, double floor) {
+  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
+                  y.device().is_cpu(),
+              "round_band: y must be a 1-D contiguous float64 CPU tensor");
+  const int64_t n = y.numel();
+  Spec s{mode,  nullptr, nullptr, nullptr, false, std::max<int64_t>(inner, 1),
+         std::max<int64_t>(rows, 1), scale, floor};
+  if (mode == kRows || mode == kOuter) {
+    TORCH_CHECK(n % s.inner == 0, "round_band: ", n, " elements are not runs of ", s.inner);
+    s.m = factor(m, n / s.inner, "m");
+    if (mode == kOuter) {
+      TORCH_CHECK((n / s.inner) % s.rows == 0, "round_band: rows do not divide the batch");
+      s.col = factor(col, n / (s.rows * s.inner) * s.inner, "col");
+      if (add.has_value()) {
+        s.add_per_column = add->numel() == s.inner;  // (the same indexing when n == inner)
+        s.add = factor(add, s.add_per_column ? s.inner : n, "add");
+      }
+    }
+  } else {
+    TORCH_CHECK(mode == kRelative, "round_band: unknown mode ", mode);
+  }
+  at::Tensor r = at::empty({n}, y.options().dtype(at::kFloat));
+  const double* yp = y.data_ptr<double>();
+  float* rp = r.data_ptr<float>();
+  const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
+  std::vector<std::vector<int64_t>> found(static_cast<size_t>(chunks));
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      scan(s, yp, rp, c * kGrain, std::min(n, (c + 1) * kGrain), found[static_cast<size_t>(c)]);
+    }
+  });
+  size_t total = 0;
+  for (const auto& f : found) total += f.size();
+  at::Tensor candidates = at::empty({static_cast<int64_t>(total)}, y.options().dtype(at::kLong));
+  int64_t* out = candidates.data_ptr<int64_t>();
+  for (const auto& f : found) out = std::copy(f.begin(), f.end(), out);
+  return {r, candidates};
+}
+
+// The exact-sum rule's view of a sum's terms (bounds.py `_sum`): for x viewed as
+// (outer, reduced, inner), the smallest nonzero |x| over `reduced` for each (outer, inner)
+// (+inf where all are zero), and whether every element of x is a float32 value. A minimum and
+// a conjunction, so order-free: the torch ops give the same (tests/.../test_bandpass.py).
+// Magnitudes are compared as their bit patterns, which order like the values.
+std::tuple<at::Tensor, bool> sum_terms(const at::Tensor& x, int64_t outer, int64_t reduced,
+                                       int64_t inner) {
+  TORCH_CHECK(x.dtype() == at::kDouble && x.is_contiguous() && x.device().is_cpu(),
+              "sum_terms: x must be a contiguous float64 CPU tensor");
+  TORCH_CHECK(outer >= 0 && reduced >= 0 && inner >= 0 && x.numel() == outer * reduced * inner,
+              "sum_terms: x does not have ", outer, " x ", reduced, " x ", inner, " elements");
+  at::Tensor smallest = at::empty({outer * inner}, x.options());
+  const double* xp = x.data_ptr<double>();
+  int64_t* sp = reinterpret_cast<int64_t*>(smallest.data_ptr<double>());
+  if (inner == 1) {  // a reduction along contiguous rows
+    const int64_t rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced, 1));
+    const int64_t chunks = (outer + rows - 1) / rows;
+    std::vector<int64_t> exact(static_cast<size_t>(chunks), 1);
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        exact[static_cast<size_t>(c)] =
+            smallest_in_rows(xp, sp, reduced, c * rows, std::min(outer, (c + 1) * rows));
+      }
+    });
+    return {smallest, std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; })};
+  }
+  const int64_t width = std::max<int64_t>(1, std::min<int64_t>(inner, kGrain / std::max<int64_t>(
+                                                                          reduced, 1)));
+  const int64_t blocks = inner == 0 ? 0 : (inner + width - 1) / width;
+  std::vector<int64_t> exact(static_cast<size_t>(outer * blocks), 1);
+  at::parallel_for(0, outer * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t o = item / blocks, i0 = (item % blocks) * width;
+      const int64_t i1 = std::min(inner, i0 + width);
+      exact[static_cast<size_t>(item)] = smallest_terms(xp + o * reduced * inner, sp + o * inner,
+                                                        reduced, inner, i0, i1);
+    }
+  });
+  return {smallest, std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; })};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ovt, lib) {
+  lib.def(
+      "round_band(Tensor y, int mode, Tensor? m, Tensor? col, Tensor? add, int inner, int rows, "
+      "float scale, float floor) -> (Tensor, Tensor)");
+  lib.def("sum_terms(Tensor x, int outer, int reduced, int inner) -> (Tensor, bool)");
+}
+
+TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
+  lib.impl("round_band", &round_band);
+  lib.impl("sum_terms", &sum_terms);
+}
+
+// An importable Python module with nothing in it: importing it loads this library, which
+// registers torch.ops.ovt.round_band.
+static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&fused_module); }

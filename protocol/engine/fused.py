@@ -1,0 +1,35 @@
+"""The fused passes of the rounding engine: C++ operators in `csrc/fused.cpp`, built by
+`pip install` with the machine's compiler (setup.py), registered as `torch.ops.ovt.*`.
+
+Each computes what a sequence of torch ops computes — the same bits, checked by
+tests/protocol/engine/test_bandpass.py — in one read of its input, on the CPU:
+`round_band`, a site's band pass (`bandpass`), and `sum_terms`, what the exact-sum rule needs
+of a sum's terms (`bounds._sum`). Where the extension is missing (no compiler when ovt was
+installed) ovt says so once, loudly, and uses the torch ops. The environment variable
+`OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py` does both).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import torch
+
+try:
+    importlib.import_module("protocol.engine._fused")  # loading it registers torch.ops.ovt
+    MISSING: str | None = None
+except ImportError as exc:  # not built: no compiler, or an install that skipped it
+    MISSING = str(exc)
+    warnings.warn(f"ovt: the fused passes are not built ({MISSING}); using torch ops instead: "
+                  f"the same bits, but record steps are slower. Reinstall with a C++ compiler "
+                  f"present (pip install -e .) to build them.", RuntimeWarning, stacklevel=1)
+
+# Whether the fused operators are used where they apply (a switch for comparisons).
+ENABLED = MISSING is None and os.environ.get("OVT_FUSED") != "0"
+
+
+def serves(t: torch.Tensor) -> bool:
+    """Whether a fused operator runs on `t`: enabled, and `t` on the CPU."""
+    return ENABLED and t.device.type == "cpu"
