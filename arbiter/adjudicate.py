@@ -93,8 +93,9 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
     `trainer_key` / `auditor_key` are the parties' registered public keys; None takes the key
     of the commitment the party's own node serves (see the module docstring). Raises
     ConfigError if the challenge is for another job or a party's commitment cannot be
-    established, ArbiterError if the arbiter itself fails mid-game; every misbehaviour of a
-    party is a verdict, not an exception.
+    established, ProgramError or ConfigError if the job's program cannot be built here,
+    ArbiterError if the arbiter itself fails mid-game; every misbehaviour of a party is a
+    verdict, not an exception.
     """
     if challenge.job_id != spec.job_id:
         raise ConfigError(f"the challenge is for job {challenge.job_id.hex()}, not "
@@ -120,12 +121,16 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
     if dispute is not None:
         say(f"step {dispute.step} is disputed: fetching S_{dispute.step - 1}, "
             f"B_{dispute.step} and L_{dispute.step}")
-        evidence, reexec = _gather(spec, dispute, parties, profile, evidence_timeout_s)
+        # Built once: its batch size checks B_i, its model re-executes step i. No data file
+        # is read: B_i's examples come from the parties, checked against the data root.
+        program = load_job_program(spec, examples=False)
+        evidence, reexec = _gather(spec, dispute, parties, program.batch_size, profile,
+                                   evidence_timeout_s)
         fetched = _now()
         if reexec is None:
             say(f"re-executing step {dispute.step} on {profile.name}")
             reexec = reexecute(spec, dispute, evidence.prev_state, evidence.examples,
-                               evidence.log, profile=profile)
+                               evidence.log, program=program, profile=profile)
             if reexec.finding == "bad-evidence":  # checked above, yet does not run: the
                 # S_{i-1} both parties signed does not fit the job's program
                 reexec = withheld(dispute.step, "both", f"the S_{dispute.step - 1} both "
@@ -241,13 +246,13 @@ def _describe(state: GameState, step: int) -> str:
 
 # -- the evidence (SPEC §5.3) -------------------------------------------------------------------
 
-def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], profile: Profile,
-            timeout_s: float) -> tuple[Evidence | None, Reexecution | None]:
-    """S_{i-1}, B_i and L_i, each from the first party whose answer verifies. When nobody's
-    does, the `withheld` finding instead (L_i is the trainer's alone to serve; S_{i-1} and
-    B_i either party could, so neither serving one is on both)."""
+def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], batch_size: int,
+            profile: Profile, timeout_s: float) -> tuple[Evidence | None, Reexecution | None]:
+    """S_{i-1}, B_i (of the program's `batch_size` examples) and L_i, each from the first
+    party whose answer verifies. When nobody's does, the `withheld` finding instead (L_i is
+    the trainer's alone to serve; S_{i-1} and B_i either party could, so neither serving one
+    is on both)."""
     i = dispute.step
-    batch_size = load_job_program(spec, examples=False).batch_size  # no data file read here
     wanted = (  # what to ask, and `protocol.dispute.reexecute`'s own check of it (SPEC §5.3)
         (f"S_{i - 1}", lambda p: p.state(i - 1, timeout_s),
          lambda state: check_state(dispute, state)[1], "both"),

@@ -11,8 +11,10 @@ The runner keeps two files per job in the auditor's store, both canonical bytes:
 without a record — those interrupted by a crash or a shutdown, which resume from the store — and
 loads the others' records, so GetAudit answers across restarts. An audit that fails before the
 job's store exists (its spec never fetched and verified) leaves no directory: the failure is
-kept in memory only, so requests for jobs the trainer does not have cost no disk. `stop`
-interrupts a running audit after its current step.
+kept in memory only, so requests for jobs the trainer does not have cost no disk, and only the
+latest MAX_UNSTORED_FAILURES of them are kept, so they cost bounded memory too (an older one is
+forgotten: GetAudit answers NOT_FOUND for it, and Audit starts it afresh). `stop` interrupts a
+running audit after its current step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import shutil
 import sys
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +44,7 @@ QUEUED, RUNNING = "queued", "running"
 TERMINAL = (MATCHED, DIVERGED, FAILED)
 REQUEST_FILE, RECORD_FILE = "audit-request.ovt", "audit.ovt"
 MAX_PENDING = 64
+MAX_UNSTORED_FAILURES = 256  # failed audits that left no store, remembered in memory
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ class AuditRunner:
         self._audit = audit
         self._queue: JobQueue[AuditStatus] = JobQueue("audit-runner", self._run,
                                                       max_waiting=MAX_PENDING, noun="audits")
+        # Failed audits with no store, oldest first (under the queue's lock): the statuses
+        # beyond MAX_UNSTORED_FAILURES are forgotten.
+        self._unstored_failures: OrderedDict[bytes, None] = OrderedDict()
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -123,6 +130,7 @@ class AuditRunner:
             if current is not None and current.state != FAILED:
                 return current
             self._queue.require_room()  # before anything is written
+            self._unstored_failures.pop(job_id, None)  # queued again: not a failure to drop
             job_dir = self.store_root / job_id.hex()
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / RECORD_FILE).unlink(missing_ok=True)
@@ -177,10 +185,12 @@ class AuditRunner:
             traceback.print_exc(file=sys.stderr)
             record = AuditRecord.failed(job_id, f"internal error ({type(err).__name__})")
         job_dir = self.store_root / job_id.hex()
-        if record.state == FAILED and not (job_dir / SPEC_FILE).exists():
+        unstored = record.state == FAILED and not (job_dir / SPEC_FILE).exists()
+        if unstored:
             # It failed before the job's store was made (no verified spec: an unknown job, an
             # unreachable trainer, a program refused): keep no directory for it, or every
-            # request for a random job id would leave one. The failure is known until a restart.
+            # request for a random job id would leave one. The failure is known until a restart
+            # or until MAX_UNSTORED_FAILURES later ones push it out.
             shutil.rmtree(job_dir, ignore_errors=True)
         else:
             try:
@@ -192,6 +202,17 @@ class AuditRunner:
             old = self._queue.get(job_id)
             assert old is not None
             self._queue.set(job_id, _finished(job_id, trainer, record, old.version + 1, old))
+            if unstored:
+                self._remember_unstored_failure(job_id)
+
+    def _remember_unstored_failure(self, job_id: bytes) -> None:
+        """Count `job_id` as the latest failure with no store, and forget the oldest such
+        failures beyond MAX_UNSTORED_FAILURES; under the queue's lock."""
+        self._unstored_failures[job_id] = None
+        self._unstored_failures.move_to_end(job_id)
+        while len(self._unstored_failures) > MAX_UNSTORED_FAILURES:
+            oldest, _ = self._unstored_failures.popitem(last=False)
+            self._queue.forget(oldest)  # failed, and not queued since (`submit` unlists it)
 
 
 def _finished(job_id: bytes, trainer: str, record: AuditRecord, version: int,

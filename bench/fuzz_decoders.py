@@ -5,10 +5,12 @@ byte string per value). Anything else — a TypeError, a KeyError, an accepted a
 FINDING, and stops the run of its target with the input that caused it.
 
 `TARGETS` holds one target per decoder: the canonical decoder, `decode_state`,
-`load_safetensors`, `decode_log`, `JobSpec`, `SignedCommitment`, `Claim`, `Challenge`, the
-transcript, `Verdict` and the evidence examples. Safetensors has no canonical form (a header may
-order or pad its entries freely), so its property is a fixed point instead: what it decodes
-holds only state dtypes, and saving and loading it again gives the same bits.
+`load_safetensors`, `safetensors_file_digest` (a submitted S_0, hashed on disk), `decode_log`,
+`JobSpec`, `SignedCommitment`, `Claim`, `Challenge`, the transcript, `Verdict` and the evidence
+examples. Safetensors has no canonical form (a header may order or pad its entries freely), so
+its property is a fixed point instead: what it decodes holds only state dtypes, and saving and
+loading it again gives the same bits; the file digest must refuse what `load_safetensors`
+refuses and give the h_t of what it loads.
 
 Inputs come from real objects' bytes (each target's seeds), two ways: `single_edits`, every
 one-edit mutation worth trying exhaustively (each field of the decoded value swapped for an
@@ -37,6 +39,7 @@ import itertools
 import json
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +62,7 @@ from protocol.codec.state import (
     decode_state,
     encode_state,
     load_safetensors,
+    safetensors_file_digest,
     state_digest,
     states_equal,
 )
@@ -75,7 +79,7 @@ from protocol.dispute.transcript import decode_transcript, encode_transcript, tr
 from protocol.dispute.verdict import Verdict, sign_verdict
 from protocol.engine.datasets import DataFile
 from protocol.engine.precision import PrecisionPolicy
-from protocol.errors import OvtError
+from protocol.errors import OvtError, StateFormatError
 from protocol.job.spec import JobSpec
 
 EDITS = ("flip", "set", "insert", "delete", "truncate", "word", "value")
@@ -323,6 +327,28 @@ def _safetensors_fixed_point(state: object, data: bytes) -> str | None:
     return None
 
 
+def _file_digest_as_loaded(data: bytes) -> bytes:
+    """`safetensors_file_digest` of `data` written to a file; it must refuse `data` exactly
+    when `load_safetensors` does (its StateFormatError stands; refusing what loads raises an
+    AssertionError, a finding)."""
+    with tempfile.NamedTemporaryFile(prefix="ovt-fuzz-", suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        try:
+            return safetensors_file_digest(f.name)
+        except StateFormatError:
+            load_safetensors(data)  # raises StateFormatError too, or the finding is below
+            raise AssertionError("the file digest refuses a state load_safetensors takes") \
+                from None
+
+
+def _digest_of_the_loaded_state(digest: object, data: bytes) -> str | None:
+    """The file digest is the h_t of the state `load_safetensors` loads (which must load)."""
+    if digest != state_digest(load_safetensors(data)):
+        return "the file digest differs from the loaded state's h_t"
+    return None
+
+
 # ---- seeds: real objects' bytes --------------------------------------------------------------
 
 def _key(n: int) -> KeyPair:
@@ -465,6 +491,8 @@ TARGETS: tuple[Target, ...] = (
     Target("state", decode_state, reencodes(encode_state), lambda: [encode_state(_state())],
            BINARY),
     Target("safetensors", load_safetensors, _safetensors_fixed_point,
+           lambda: [safetensors.torch.save(_state(), metadata={"step": "3"})], SAFETENSORS),
+    Target("safetensors-file", _file_digest_as_loaded, _digest_of_the_loaded_state,
            lambda: [safetensors.torch.save(_state(), metadata={"step": "3"})], SAFETENSORS),
     Target("log", decode_log, reencodes(encode_log),
            lambda: [encode_log(log) for log in (_log(), *_value_logs())], BINARY),

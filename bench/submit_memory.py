@@ -2,8 +2,9 @@
 
 Starts a real `ovt-trainer serve` process on 127.0.0.1 for each stream count asked for, submits
 that many jobs at once through SubmitStream, each with an S_0 of `--mib` MiB, and prints the
-daemon's peak resident memory (VmHWM from /proc/PID/status) next to the sizes submitted and its
-in-flight budget (`--max-inflight-mb`).
+daemon's peak resident memory (VmHWM from /proc/PID/status) next to the sizes submitted and the
+documented memory budget of submissions: one gRPC message (`--max-message-mb`) per stream in
+flight, for S_0 streams to disk and is hashed there, never held whole (README, "Daemons").
 
 The jobs are one built-in char-transformer whose layer count gives an S_0 of about `--mib` MiB,
 under different data seeds: different job ids, the same S_0. So that the measurement is the
@@ -15,7 +16,7 @@ The baseline is VmHWM once the tiny job trains; the daemon is stopped after each
     python bench/submit_memory.py --mib 256 --streams 3    # quicker
     python bench/submit_memory.py --json out.json          # also write every figure as JSON
 
-Exit 0 when every peak stays under the daemon's in-flight budget, 1 otherwise.
+Exit 0 when every peak's rise over its baseline stays under that budget, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ def memory_mib(pid: int, field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
-def start_trainer(work: Path, budget_mb: int, max_params: int) -> tuple[subprocess.Popen, int]:
+def start_trainer(work: Path, inflight_mb: int, message_mb: int,
+                  max_params: int) -> tuple[subprocess.Popen, int]:
     key, port_file = work / "trainer.key", work / "port"
     KeyPair.generate().save(key)
     with open(work / "serve.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainer_node.cli", "serve", "--listen", "127.0.0.1:0",
              "--store", str(work / "store"), "--key", str(key), "--profile", "cpu-1t",
-             "--max-inflight-mb", str(budget_mb), "--max-params", str(max_params),
+             "--max-inflight-mb", str(inflight_mb), "--max-message-mb", str(message_mb),
+             "--max-params", str(max_params),
              "--port-file", str(port_file)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not port_file.exists():
@@ -109,11 +112,11 @@ def wait_training(channel: grpc.Channel, job_id: bytes) -> None:
     raise RuntimeError("the tiny job did not start training")
 
 
-def measure(streams: int, spec: JobSpec, state0: bytes, budget_mb: int, max_params: int,
-            tiny: tuple[JobSpec, bytes]) -> dict:
+def measure(streams: int, spec: JobSpec, state0: bytes, inflight_mb: int, message_mb: int,
+            max_params: int, tiny: tuple[JobSpec, bytes]) -> dict:
     """One fresh daemon, `streams` concurrent submissions of `state0`; its memory figures."""
     with tempfile.TemporaryDirectory(prefix="ovt-submit-memory-") as tmp:
-        proc, port = start_trainer(Path(tmp), budget_mb, max_params)
+        proc, port = start_trainer(Path(tmp), inflight_mb, message_mb, max_params)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 tiny_spec, tiny_state = tiny
@@ -148,10 +151,11 @@ def measure(streams: int, spec: JobSpec, state0: bytes, budget_mb: int, max_para
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    budget = streams * message_mb
     return {"streams": streams, "s0_mib": len(state0) / 2**20,
-            "submitted_mib": streams * len(state0) / 2**20, "budget_mib": budget_mb,
-            "baseline_vmhwm_mib": baseline, "peak_vmhwm_mib": peak, "seconds": seconds,
-            "under_budget": peak < budget_mb}
+            "submitted_mib": streams * len(state0) / 2**20, "budget_mib": budget,
+            "inflight_mib": inflight_mb, "baseline_vmhwm_mib": baseline,
+            "peak_vmhwm_mib": peak, "seconds": seconds, "under_budget": peak - baseline < budget}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="concurrent submissions, one daemon per count, comma-separated "
                              "(default: %(default)s)")
     parser.add_argument("--max-inflight-mb", type=int, default=8192,
-                        help="the daemon's in-flight budget, MiB (default: %(default)s, the "
-                             "trainer's default)")
+                        help="the daemon's in-flight (disk) budget, MiB (default: %(default)s, "
+                             "the trainer's default)")
+    parser.add_argument("--max-message-mb", type=int, default=64,
+                        help="the daemon's largest gRPC message, MiB; the memory budget is one "
+                             "per stream (default: %(default)s, the trainer's default)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
@@ -174,18 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     params = char_transformer.parameter_count(spec.config)
     max_params = max(DEFAULT_MAX_PARAMS, params)
     tiny = tiny_job()
-    rows = [measure(n, spec, state0, args.max_inflight_mb, max_params, tiny) for n in counts]
+    rows = [measure(n, spec, state0, args.max_inflight_mb, args.max_message_mb, max_params,
+                    tiny) for n in counts]
 
     print(f"\nchar-transformer d_model {spec.config['d_model']}, {spec.config['n_layers']} "
-          f"layers: {params} parameters, S_0 {len(state0) / 2**20:.0f} MiB; in-flight budget "
-          f"{args.max_inflight_mb} MiB")
+          f"layers: {params} parameters, S_0 {len(state0) / 2**20:.0f} MiB; in-flight (disk) "
+          f"budget {args.max_inflight_mb} MiB; memory budget {args.max_message_mb} MiB per "
+          f"stream")
     print(f"{'streams':>7} {'submitted MiB':>13} {'baseline VmHWM':>14} {'peak VmHWM':>10} "
-          f"{'peak - base':>11} {'seconds':>7}  peak < budget")
+          f"{'peak - base':>11} {'budget':>6} {'seconds':>7}  peak - base < budget")
     for row in rows:
         print(f"{row['streams']:>7} {row['submitted_mib']:>13.0f} "
               f"{row['baseline_vmhwm_mib']:>14.0f} {row['peak_vmhwm_mib']:>10.0f} "
               f"{row['peak_vmhwm_mib'] - row['baseline_vmhwm_mib']:>11.0f} "
-              f"{row['seconds']:>7.1f}  {'PASS' if row['under_budget'] else 'MISS'}")
+              f"{row['budget_mib']:>6} {row['seconds']:>7.1f}  "
+              f"{'PASS' if row['under_budget'] else 'MISS'}")
     if args.json is not None:
         args.json.write_text(json.dumps({"parameters": params, "rows": rows}, indent=2))
     return 0 if all(row["under_budget"] for row in rows) else 1

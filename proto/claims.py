@@ -99,18 +99,22 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         self.data_dir = data_dir
         self.leaf_fault = leaf_fault
         self._data_trees: dict[bytes, object] = {}
-        self._trees: dict[tuple[bytes, int], MerkleTree] = {}  # committed leaves never change
+        # Per job, the tree of its latest commitment (the only one GetLeaf and GetLeaves serve
+        # under), so a job that commits every few steps keeps one tree here, not one per
+        # commitment it ever had.
+        self._trees: dict[bytes, MerkleTree] = {}
         # Two locks: committing a dataset (GetBatch's first call for a job) hashes every example
         # and must never hold up GetLeaf, which a party answers under the arbiter's deadline.
         self._lock = threading.Lock()
         self._data_lock = threading.Lock()
 
     def _tree(self, store: JobStore, n: int) -> MerkleTree:
-        key = (store.spec.job_id, n)
+        """The tree over leaves 0..n (n: the latest commitment's), built once per commitment."""
         with self._lock:
-            if key not in self._trees:
-                self._trees[key] = store.tree(n)
-            return self._trees[key]
+            tree = self._trees.get(store.spec.job_id)
+            if tree is None or tree.size != n + 1:
+                tree = self._trees[store.spec.job_id] = store.tree(n)
+            return tree
 
     # -- validation ----------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""How many threads a daemon's gRPC server has, and how many of them streams may hold
-(issue 10, finding 5; SPEC §5.2: a party that cannot answer a bisection query in time loses).
+"""How many threads a daemon's gRPC server has, and how many of them streams may hold, in all
+and per peer (issue 10, finding 5; SPEC §5.2: a party that cannot answer a bisection query in
+time loses).
 
-`ServerLimits` are the numbers (`--workers`, `--max-streams`, `--stream-idle-s` on both
-`serve` commands); `StreamSlots`, a server interceptor that `proto.serving.build_server`
-installs, enforces them before any servicer runs.
+`ServerLimits` are the numbers (`--workers`, `--max-streams`, `--max-streams-per-peer`,
+`--stream-idle-s` on both `serve` commands); `StreamSlots`, a server interceptor that
+`proto.serving.build_server` installs, enforces them before any servicer runs.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import contextlib
 import logging
 import threading
 import time
+import urllib.parse
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from proto.status import abort_call
+from proto.status import abort_call, cancel_call
 from protocol.errors import (
     ConfigError,
     RequestError,
@@ -29,6 +32,7 @@ from protocol.errors import (
 _log = logging.getLogger("ovt.rpc")
 DEFAULT_WORKERS = 16
 DEFAULT_MAX_STREAMS = 8
+DEFAULT_MAX_STREAMS_PER_PEER = 4
 DEFAULT_STREAM_IDLE_S = 30.0
 
 
@@ -41,22 +45,34 @@ class ServerLimits:
     Auditor.WatchAudit, Claims.GetCheckpoint and GetLeaves, Health.Watch) takes one of
     `max_streams` slots, strictly fewer than `workers`, so at least `workers - max_streams`
     threads are always free for unary calls: GetLeaf above all, which a party must answer
-    within the arbiter's per-move deadline or lose its dispute (SPEC §5.2). A stream beyond the
-    limit is refused at once with RESOURCE_EXHAUSTED, before its servicer runs. A stream whose
-    peer keeps one message waiting longer than `stream_idle_s` (sends no next request, or reads
-    no sent response) is cancelled, which frees its slot and its thread.
+    within the arbiter's per-move deadline or lose its dispute (SPEC §5.2). One peer (one
+    address, its port left out: `peer_host`) holds at most `max_streams_per_peer` of the slots,
+    so one client — 8 `ovt-trainer status --watch`, say — cannot take them all and lock every
+    other peer's streams out; a cap above `max_streams` is no tighter than `max_streams`. A
+    stream beyond either limit is refused at once with RESOURCE_EXHAUSTED, before its servicer
+    runs. A stream whose peer keeps one message waiting longer than `stream_idle_s` (sends no
+    next request, or reads no sent response) is ended with RESOURCE_EXHAUSTED, saying so, which
+    frees its slot and its thread.
+
+    The per-peer cap counts addresses: a peer with many addresses (an IPv6 prefix, say) gets a
+    share per address, but never more than `max_streams` in all, so unary calls still answer.
     """
 
     workers: int = DEFAULT_WORKERS
     max_streams: int = DEFAULT_MAX_STREAMS
+    max_streams_per_peer: int = DEFAULT_MAX_STREAMS_PER_PEER
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
 
     def __post_init__(self) -> None:
-        """Raises ConfigError unless 1 <= max_streams < workers and stream_idle_s > 0."""
+        """Raises ConfigError unless 1 <= max_streams < workers, max_streams_per_peer >= 1 and
+        stream_idle_s > 0."""
         if not 1 <= self.max_streams < self.workers:
             raise ConfigError(f"the stream slots ({self.max_streams}) must be at least 1 and "
                               f"fewer than the worker threads ({self.workers}), so unary calls "
                               f"always have a thread")
+        if not self.max_streams_per_peer >= 1:
+            raise ConfigError(f"the stream slots of one peer must be at least 1, got "
+                              f"{self.max_streams_per_peer}")
         if not self.stream_idle_s > 0:
             raise ConfigError(f"the stream idle timeout must be positive, got "
                               f"{self.stream_idle_s}")
@@ -72,30 +88,51 @@ def add_limit_options(parser: argparse.ArgumentParser) -> None:
                              "with RESOURCE_EXHAUSTED. Fewer than --workers, so the other "
                              "threads always answer unary calls such as GetLeaf (default: "
                              "%(default)s)")
+    parser.add_argument("--max-streams-per-peer", type=int,
+                        default=DEFAULT_MAX_STREAMS_PER_PEER,
+                        help="of those, how many one peer (one address, any port) may hold; "
+                             "one more from it is refused with RESOURCE_EXHAUSTED, so one "
+                             "client cannot lock the others' streams out (default: "
+                             "%(default)s)")
     parser.add_argument("--stream-idle-s", type=float, default=DEFAULT_STREAM_IDLE_S,
-                        help="cancel a stream whose peer sends no next message, or reads no "
+                        help="end a stream whose peer sends no next message, or reads no "
                              "sent one, for this many seconds (default: %(default)s)")
 
 
 def limits_of(args: argparse.Namespace) -> ServerLimits:
     """The `ServerLimits` given by `add_limit_options`' options. Raises ConfigError."""
     return ServerLimits(workers=args.workers, max_streams=args.max_streams,
+                        max_streams_per_peer=args.max_streams_per_peer,
                         stream_idle_s=args.stream_idle_s)
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string, the port left out: what `StreamSlots` counts a
+    peer's streams by (a client opens a new port per connection, so ports tell nothing).
+
+    `ipv4:127.0.0.1:5000` gives `ipv4:127.0.0.1`, `ipv6:%5B::1%5D:5000` (grpc's spelling)
+    gives `ipv6:[::1]`; any other peer (`unix:…`, or none) is itself."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6") and ":" in rest:
+        return f"{scheme}:{urllib.parse.unquote(rest.rsplit(':', 1)[0])}"
+    return peer
 
 
 class StreamSlots(grpc.ServerInterceptor):
     """Enforces one server's `ServerLimits` on its streaming calls (every service, health too).
 
     A unary call passes untouched. A streaming call takes a slot when its thread starts it
-    (none free: RESOURCE_EXHAUSTED, `ResourceLimitError`) and gives it back when the call's
-    handler returns, fails or is closed; every wait on the peer for one message is bounded by
-    `_IdleWatch`. A request stream that breaks off (cancelled by its client or by the idle
-    watch) reaches the servicer as a `RequestError`, so it is no internal error in the log.
+    (none free, or its peer holding `max_streams_per_peer` already: RESOURCE_EXHAUSTED,
+    `ResourceLimitError`) and gives it back when the call's handler returns, fails or is
+    closed; every wait on the peer for one message is bounded by `_IdleWatch`. A request stream
+    that breaks off (cancelled by its client or by the idle watch) reaches the servicer as a
+    `RequestError`, so it is no internal error in the log.
     """
 
     def __init__(self, limits: ServerLimits) -> None:
         self.limits = limits
-        self._slots = threading.BoundedSemaphore(limits.max_streams)
+        self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()  # streams per peer (`peer_host`); none: no key
         self._idle = _IdleWatch(limits.stream_idle_s)
 
     def intercept_service(self, continuation, handler_call_details):
@@ -115,33 +152,51 @@ class StreamSlots(grpc.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(
             self._stream_response(method, handler.stream_stream, requests=True), **codec)
 
-    def _take(self, method: str, context: grpc.ServicerContext) -> None:
-        """Take a slot, or abort the call with RESOURCE_EXHAUSTED when none is free."""
-        if not self._slots.acquire(blocking=False):
-            abort_call(ResourceLimitError(f"{self.limits.max_streams} streaming calls are already "
-                                      f"being served; try again later"), context, method)
+    @contextlib.contextmanager
+    def _slot(self, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Hold a slot for the body, or abort the call with RESOURCE_EXHAUSTED when none is
+        free or its peer holds `max_streams_per_peer` already."""
+        peer = peer_host(context.peer())
+        with self._lock:
+            refusal = self._refusal(peer)
+            if refusal is None:
+                self._held[peer] += 1
+        if refusal is not None:
+            abort_call(ResourceLimitError(refusal), context, method)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[peer] -= 1
+                if not self._held[peer]:
+                    del self._held[peer]  # the table holds only peers with a stream open
+
+    def _refusal(self, peer: str) -> str | None:
+        """Why `peer` may not open one more stream now (None: it may); under `_lock`."""
+        limits = self.limits
+        if self._held.total() >= limits.max_streams:
+            return (f"{limits.max_streams} streaming calls are already being served "
+                    f"(--max-streams); try again later")
+        if self._held[peer] >= limits.max_streams_per_peer:
+            return (f"{peer} already holds {self._held[peer]} streaming calls, as many as one "
+                    f"peer may (--max-streams-per-peer); end one first")
+        return None
 
     def _unary_response(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         def limited(requests, context):
-            self._take(method, context)
-            try:
+            with self._slot(method, context):
                 return behavior(self._received(method, requests, context), context)
-            finally:
-                self._slots.release()
         return limited
 
     def _stream_response(self, method: str, behavior: Callable[..., Any], *,
                          requests: bool) -> Callable[..., Any]:
         def limited(request, context):
-            self._take(method, context)
-            try:
+            with self._slot(method, context):
                 if requests:
                     request = self._received(method, request, context)
                 for response in behavior(request, context):
                     with self._idle.waiting(method, context):  # gRPC sends it meanwhile
                         yield response
-            finally:
-                self._slots.release()
         return limited
 
     def _received(self, method: str, requests: Iterator[Any],
@@ -160,7 +215,8 @@ class StreamSlots(grpc.ServerInterceptor):
 
 
 class _IdleWatch:
-    """Cancels a call that has waited on its peer for one message longer than `idle_s`.
+    """Ends a call that has waited on its peer for one message longer than `idle_s`, with
+    RESOURCE_EXHAUSTED and a message saying so (`proto.status.cancel_call`).
 
     One thread sleeps until the earliest deadline; it starts with the first wait and ends once
     it wakes to find no wait left (at most `idle_s` after the last one). Every wait lasts
@@ -191,9 +247,10 @@ class _IdleWatch:
     def _run(self) -> None:
         while (expired := self._next_expired()) is not None:
             method, context = expired
-            _log.warning("%s: the peer sent or took nothing for %g s; call cancelled", method,
-                         self.idle_s)
-            context.cancel()
+            reason = (f"{method}: the peer sent or took nothing for {self.idle_s:g} s "
+                      f"(--stream-idle-s); the stream is ended")
+            _log.warning("%s (peer %s)", reason, peer_host(context.peer()))
+            cancel_call(ResourceLimitError(reason), context)
 
     def _next_expired(self) -> tuple[str, grpc.ServicerContext] | None:
         """The next wait past its deadline, removed; None (the thread ends) when none is left."""

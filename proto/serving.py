@@ -3,9 +3,12 @@
 Every ovt daemon builds its server here, so all of them share one policy (issue 4):
 - message sizes are bounded both ways (`max_message_bytes`); a bigger message is refused by gRPC
   with RESOURCE_EXHAUSTED before any servicer sees it;
-- streaming calls share a bounded number of slots, fewer than the worker threads, so a peer
-  holding streams open (or stalling them) never takes the threads unary calls such as GetLeaf
-  need (`ServerLimits`, enforced by `StreamSlots` before any servicer runs);
+- a request that is not its RPC's protobuf message is INVALID_ARGUMENT, with no log line
+  (`proto.status.DecodedRequests`), where grpcio would answer INTERNAL and log a traceback;
+- streaming calls share a bounded number of slots, fewer than the worker threads, and one
+  peer may hold only its share of them, so a peer holding streams open (or stalling them)
+  never takes the threads unary calls such as GetLeaf need, nor every other peer's streams
+  (`ServerLimits`, enforced by `StreamSlots` before any servicer runs);
 - the standard health service (`grpc.health.v1.Health`, ovt's own servicer in `proto.health`)
   answers SERVING for "" and for every named service while the server runs; a daemon that passes
   its own `make_health()` switches it to NOT_SERVING (`enter_graceful_shutdown`) when it starts
@@ -38,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.health import HealthServicer
 from proto.limits import ServerLimits, StreamSlots
+from proto.status import DecodedRequests
 from protocol.errors import (
     ConfigError,
 )
@@ -99,7 +103,7 @@ def build_server(listen: str, servicers: Sequence[AddServicer], *, tls_cert: Pat
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers,
                                                     thread_name_prefix="grpc"),
                          options=message_options(max_message_bytes),
-                         interceptors=[StreamSlots(limits)])
+                         interceptors=[DecodedRequests(), StreamSlots(limits)])
     for add in servicers:
         add(server)
     health = health or make_health()

@@ -3,7 +3,8 @@ and the one spelling of its temporary files.
 
 `atomic_write` writes to a fresh temporary file beside the target, fsyncs it, moves it into
 place and fsyncs the directory, so the target holds either its old content or all of the new
-one, and a half-written file never carries a trusted name. The temporary file is removed on
+one, and a half-written file never carries a trusted name; `atomic_move` does the same for a
+file written elsewhere. The temporary file is removed on
 every failure. `temporary_file` is a scratch file (a submitted S_0 as it streams in) removed when
 its block ends. Both are named `.NAME.XXXXXXXX.tmp`; a kill can still leave one behind, which
 `remove_stale_temp_files` deletes when a daemon starts on its store.
@@ -50,6 +51,21 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int | None 
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _fsync_dir(path.parent)
+
+
+def atomic_move(source: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Move the finished file `source` to `path` (on the same filesystem) durably, as
+    `atomic_write` moves its temporary file: `source` fsynced first, then renamed over `path`,
+    then the directory fsynced. For a file written elsewhere (a submitted S_0, streamed to a
+    `temporary_file` and checked there). Raises OSError as the filesystem does."""
+    path = Path(path)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(source, path)
     _fsync_dir(path.parent)
 
 

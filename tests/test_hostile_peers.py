@@ -10,8 +10,10 @@ bounded, and every thread, channel and node a test starts is stopped before it e
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import shutil
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -20,22 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import msgpack
 import pytest
 import safetensors.torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arbiter.adjudicate import adjudicate
+from arbiter.parties import RemoteParty
 from auditor_node.cli import main as auditor_main
 from auditor_node.server import AuditorNode
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
-from proto.limits import DEFAULT_MAX_STREAMS, ServerLimits
+from proto.limits import DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_PEER, ServerLimits
 from proto.serving import build_server
 from protocol.commit.keys import KeyPair
+from protocol.dispute.challenge import Challenge
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.job.create import build_job
-from protocol.job.run import run_job
+from protocol.job.run import StepHooks, run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 from trainer_node.cli import main as trainer_main
@@ -77,10 +83,13 @@ def finished(tmp_path_factory) -> Finished:
 
 
 class Daemon:
-    """A node over a copy of the finished job's store; `stop` is bounded and runs once."""
+    """A node over a copy of the finished job's store; `stop` is bounded and runs once.
+
+    It listens on 127.0.0.1 (`address`) and on a Unix socket (`local`, a path in
+    `socket_dir`): two peers (`ipv4:127.0.0.1`, `unix:`) for the per-peer stream limit."""
 
     def __init__(self, kind: str, tmp_path: Path, finished: Finished, limits: ServerLimits,
-                 start_runner: bool = True) -> None:
+                 socket_dir: Path, start_runner: bool = True) -> None:
         root = tmp_path / kind
         shutil.copytree(finished.root, root)
         self.job_id = finished.spec.job_id
@@ -91,6 +100,8 @@ class Daemon:
         else:
             self.node = AuditorNode(root, KeyPair.generate(), Profile.parse("cpu-1t"),
                                     listen="127.0.0.1:0", limits=limits)
+        self.local = f"unix:{socket_dir / kind}"  # a short path: sockets' are at most 107 bytes
+        self.node.server.add_insecure_port(self.local)
         if start_runner:
             self.port = self.node.start()
         else:  # serve only: a submitted job stays queued, so its Watch streams stay open
@@ -115,9 +126,13 @@ class Daemon:
 def daemons(tmp_path, finished):
     """Makes `Daemon`s (kind, limits=...), stopped after the test."""
     made: list[Daemon] = []
+    sockets = tempfile.TemporaryDirectory(prefix="ovt-")
 
-    def make(kind: str, limits: ServerLimits | None = None, **kwargs) -> Daemon:
-        made.append(Daemon(kind, tmp_path, finished, limits or ServerLimits(), **kwargs))
+    def make(kind: str, limits: ServerLimits | None = None, job: Finished | None = None,
+             **kwargs) -> Daemon:
+        """A daemon over a copy of `job`'s store (default: the module's finished job)."""
+        made.append(Daemon(kind, tmp_path, job or finished, limits or ServerLimits(),
+                           Path(sockets.name), **kwargs))
         return made[-1]
 
     try:
@@ -125,13 +140,15 @@ def daemons(tmp_path, finished):
     finally:
         for daemon in made:
             daemon.stop()
+        sockets.cleanup()
 
 
-def _get_leaf_seconds(daemon: Daemon) -> float:
-    """How long an honest GetLeaf (step 1, with its proof) takes on a fresh channel, connecting
-    included; fails the test if it does not answer within ANSWER_S."""
+def _get_leaf_seconds(daemon: Daemon, address: str | None = None) -> float:
+    """How long an honest GetLeaf (step 1, with its proof) takes on a fresh channel to
+    `address` (default: the daemon's TCP one), connecting included; fails the test if it does
+    not answer within ANSWER_S."""
     started = time.monotonic()
-    with grpc.insecure_channel(daemon.address) as channel:
+    with grpc.insecure_channel(address or daemon.address) as channel:
         reply = ovt_pb2_grpc.ClaimsStub(channel).GetLeaf(
             ovt_pb2.StepRef(job_id=daemon.job_id, step=1), timeout=ANSWER_S)
         seconds = time.monotonic() - started
@@ -190,7 +207,7 @@ def test_health_watch_cancel_storm_leaves_get_leaf_answering_and_the_daemon_stop
     outcomes = health_watch_storm(daemon.address, STORM_CYCLES)
     # a watch beyond the stream slots is refused at once; nothing else may happen
     assert set(outcomes) <= {"serving", "RESOURCE_EXHAUSTED"}, outcomes
-    assert outcomes["serving"] >= DEFAULT_MAX_STREAMS, outcomes
+    assert outcomes["serving"] >= DEFAULT_MAX_STREAMS_PER_PEER, outcomes
     assert _get_leaf_seconds(daemon) < ANSWER_S
     assert daemon.stop(within=STOP_S) < STOP_S
 
@@ -274,7 +291,8 @@ def _unary_outcomes(calls: list, settle_s: float) -> Counter:
 
 def test_16_stalled_streams_leave_get_leaf_answering(daemons, stalled):
     """Finding 5: 8 SubmitStreams sending a spec and then nothing, and 8 Watch streams left
-    open, took every worker thread of the trainer, and GetLeaf timed out."""
+    open, took every worker thread of the trainer, and GetLeaf timed out. From one peer, only
+    its share of the stream slots is taken."""
     daemon = daemons("trainer", start_runner=False)
     queued, state0 = _job(init_seed=2)
     with grpc.insecure_channel(daemon.address) as channel:
@@ -286,8 +304,30 @@ def test_16_stalled_streams_leave_get_leaf_answering(daemons, stalled):
     submits = [streams.submit_spec_only(queued.to_bytes()) for _ in range(CLIENTS // 2)]
     outcomes = _first_reports(watches) + _unary_outcomes(submits, settle_s=2.0)
     assert _get_leaf_seconds(daemon) < ANSWER_S
-    assert outcomes == {"open": DEFAULT_MAX_STREAMS,  # the others are refused at once
-                        "RESOURCE_EXHAUSTED": CLIENTS - DEFAULT_MAX_STREAMS}, outcomes
+    assert outcomes == {"open": DEFAULT_MAX_STREAMS_PER_PEER,  # the others are refused at once
+                        "RESOURCE_EXHAUSTED": CLIENTS - DEFAULT_MAX_STREAMS_PER_PEER}, outcomes
+
+
+def test_8_watches_from_one_peer_leave_another_peers_watch_and_get_leaf_answering(daemons,
+                                                                                 stalled):
+    """Finding 5's per-peer limit: 8 `ovt-trainer status --watch` from one client took every
+    stream slot of the trainer, so no other peer could open a stream."""
+    daemon = daemons("trainer", start_runner=False)
+    queued, state0 = _job(init_seed=4)
+    with grpc.insecure_channel(daemon.address) as channel:
+        ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
+            spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
+            timeout=BOUND_S)
+    streams = stalled(daemon)
+    outcomes = _first_reports([streams.watch(queued.job_id) for _ in range(DEFAULT_MAX_STREAMS)])
+    assert outcomes == {"open": DEFAULT_MAX_STREAMS_PER_PEER, "RESOURCE_EXHAUSTED":
+                        DEFAULT_MAX_STREAMS - DEFAULT_MAX_STREAMS_PER_PEER}, outcomes
+    other = _Stalled(daemon.local)  # another peer: its own share of the slots
+    try:
+        assert _first_reports([other.watch(queued.job_id)]) == {"open": 1}
+        assert _get_leaf_seconds(daemon, daemon.local) < ANSWER_S
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize("kind", ["trainer", "auditor"])
@@ -300,8 +340,8 @@ def test_16_health_watches_left_open_leave_get_leaf_answering(daemons, kind):
         try:
             outcomes = _first_reports(calls)
             assert _get_leaf_seconds(daemon) < ANSWER_S
-            assert outcomes == {"open": DEFAULT_MAX_STREAMS,
-                                "RESOURCE_EXHAUSTED": CLIENTS - DEFAULT_MAX_STREAMS}, outcomes
+            assert outcomes == {"open": DEFAULT_MAX_STREAMS_PER_PEER, "RESOURCE_EXHAUSTED":
+                                CLIENTS - DEFAULT_MAX_STREAMS_PER_PEER}, outcomes
         finally:
             for call in calls:
                 call.cancel()
@@ -313,7 +353,8 @@ def test_stalled_submit_stream_ends_by_the_idle_timeout_and_frees_its_slot(daemo
     daemon = daemons("trainer", ServerLimits(workers=2, max_streams=1, stream_idle_s=idle_s))
     started = time.monotonic()
     submit = stalled(daemon).submit_spec_only(_job(init_seed=3)[0].to_bytes(), timeout=10)
-    assert _unary_outcomes([submit], settle_s=BOUND_S) == {"CANCELLED": 1}
+    assert _unary_outcomes([submit], settle_s=BOUND_S) == {"RESOURCE_EXHAUSTED": 1}
+    assert "sent or took nothing for 0.5 s" in submit.exception().details()
     assert idle_s <= time.monotonic() - started < idle_s + 5
     with grpc.insecure_channel(daemon.address) as channel:  # the one slot is free again
         assert _watch_health(health_pb2_grpc.HealthStub(channel)) is None
@@ -343,7 +384,8 @@ def test_response_stream_whose_client_stops_reading_ends_by_the_idle_timeout(tmp
             time.sleep(2.0)  # not reading: the server's send waits, then gives up
             with pytest.raises(grpc.RpcError) as ended:
                 list(itertools.islice(unread, 64))  # what was buffered, then the end
-            assert ended.value.code() == grpc.StatusCode.CANCELLED
+            assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "sent or took nothing for 0.5 s" in ended.value.details()
             reader = stub.GetCheckpoint(ref, timeout=BOUND_S)  # the one slot is free again
             assert len(next(reader).data) == 1 << 20
             reader.cancel()
@@ -362,7 +404,8 @@ def test_the_limits_are_options_of_both_serve_commands(capsys):
         with pytest.raises(SystemExit):
             main(["serve", "--help"])
         text = capsys.readouterr().out
-        assert "--max-streams" in text and "--stream-idle-s" in text and "--workers" in text
+        assert all(option in text for option in ("--max-streams", "--max-streams-per-peer",
+                                                 "--stream-idle-s", "--workers"))
 
 
 def test_serve_refuses_stream_slots_that_leave_no_thread(tmp_path, capsys):
@@ -371,3 +414,182 @@ def test_serve_refuses_stream_slots_that_leave_no_thread(tmp_path, capsys):
     assert trainer_main(["serve", "--listen", "127.0.0.1:0", "--store", str(tmp_path / "s"),
                          "--key", str(key), "--workers", "8", "--max-streams", "8"]) == 2
     assert "fewer than the worker threads" in capsys.readouterr().err
+
+
+# -- every streaming RPC left unread, from two peers -------------------------------------------
+
+def _unread_streams(daemon: Daemon, address: str, rpc: str, job_id: bytes) -> list:
+    """CLIENTS calls of `rpc` to `address`, none of them read: each holds its stream (a slot)
+    for as long as the server has something to send or waits; the calls, to cancel."""
+    channel = grpc.insecure_channel(address)
+    claims, trainer = ovt_pb2_grpc.ClaimsStub(channel), ovt_pb2_grpc.TrainerStub(channel)
+    auditor, health = ovt_pb2_grpc.AuditorStub(channel), health_pb2_grpc.HealthStub(channel)
+    open_call = {
+        "Claims.GetCheckpoint": lambda: claims.GetCheckpoint(
+            ovt_pb2.StepRef(job_id=daemon.job_id, step=STEPS), timeout=BOUND_S),
+        "Claims.GetLeaves": lambda: claims.GetLeaves(
+            ovt_pb2.StepRange(job_id=daemon.job_id, first=0, last=STEPS), timeout=BOUND_S),
+        "Health.Watch": lambda: health.Watch(health_pb2.HealthCheckRequest(service=""),
+                                             timeout=BOUND_S),
+        "Trainer.Watch": lambda: trainer.Watch(ovt_pb2.JobRef(job_id=job_id), timeout=BOUND_S),
+        "Auditor.WatchAudit": lambda: auditor.WatchAudit(ovt_pb2.JobRef(job_id=job_id),
+                                                         timeout=BOUND_S),
+    }[rpc]
+    calls = [open_call() for _ in range(CLIENTS)]
+    calls.append(channel)  # closed with them
+    return calls
+
+
+STREAMING_RPCS = [("trainer", "Claims.GetCheckpoint"), ("trainer", "Claims.GetLeaves"),
+                  ("trainer", "Health.Watch"), ("trainer", "Trainer.Watch"),
+                  ("auditor", "Claims.GetCheckpoint"), ("auditor", "Claims.GetLeaves"),
+                  ("auditor", "Health.Watch"), ("auditor", "Auditor.WatchAudit")]
+
+
+@pytest.mark.parametrize("kind,rpc", STREAMING_RPCS)
+def test_unread_streams_of_every_streaming_rpc_from_two_peers_leave_get_leaf_answering(
+        daemons, kind, rpc):
+    """Finding 5 on every streaming RPC (SubmitStream: the stalled-stream tests above): 16
+    calls left unread from each of two peers. A queued job (a queued audit) keeps Watch
+    (WatchAudit) open: the daemon serves without training or auditing."""
+    daemon = daemons(kind, start_runner=False)
+    queued, state0 = _job(init_seed=5)
+    with grpc.insecure_channel(daemon.address) as channel:
+        if kind == "trainer":
+            ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
+                spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
+                timeout=BOUND_S)
+        else:
+            ovt_pb2_grpc.AuditorStub(channel).Audit(ovt_pb2.AuditRequest(
+                job_id=queued.job_id, trainer_address="127.0.0.1:9"), timeout=BOUND_S)
+    calls = []
+    try:
+        for address in (daemon.address, daemon.local):
+            calls += _unread_streams(daemon, address, rpc, queued.job_id)
+            time.sleep(0.2)  # the server has taken them in
+            assert _get_leaf_seconds(daemon) < ANSWER_S
+            assert _get_leaf_seconds(daemon, daemon.local) < ANSWER_S
+    finally:
+        for call in calls:
+            (call.close if isinstance(call, grpc.Channel) else call.cancel)()
+    assert daemon.stop(within=STOP_S) < STOP_S
+
+
+# -- oversized and undecodable requests ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["trainer", "auditor"])
+def test_oversized_and_undecodable_requests_are_refused_and_get_leaf_still_answers(daemons,
+                                                                                   kind):
+    daemon = daemons(kind)
+    with grpc.insecure_channel(daemon.address,
+                               options=[("grpc.max_send_message_length", 128 << 20)]) as channel:
+        with pytest.raises(grpc.RpcError) as oversized:
+            ovt_pb2_grpc.ClaimsStub(channel).GetSpec(ovt_pb2.JobRef(job_id=bytes(65 << 20)),
+                                                     timeout=BOUND_S)
+        assert oversized.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        full = ovt_pb2.StepRef(job_id=daemon.job_id, step=1).SerializeToString()
+        for cut in (1, 2, len(full) - 1):  # truncated: a field's length runs past the end
+            with pytest.raises(grpc.RpcError) as truncated:
+                channel.unary_unary("/ovt.v1.Claims/GetLeaf")(full[:cut], timeout=BOUND_S)
+            assert truncated.value.code() == grpc.StatusCode.INVALID_ARGUMENT, cut
+    assert _get_leaf_seconds(daemon) < ANSWER_S
+
+
+# -- the aliased spec ------------------------------------------------------------------------------
+
+def _aliased(spec: JobSpec) -> bytes:
+    """The spec's bytes with protocol_version 1 written as True: another job id X, decoding
+    (before issue 10) to the real job."""
+    body = msgpack.unpackb(spec.to_bytes(), raw=False, strict_map_key=False)
+    body["protocol_version"] = True
+    return msgpack.packb(body, use_bin_type=True)
+
+
+class _AliasServer(ClaimsServicer):
+    """A hostile trainer: GetSpec of the alias's job id answers the alias's bytes."""
+
+    def __init__(self, stores: StoreDirectory, alias: bytes) -> None:
+        super().__init__(stores)
+        self.alias = alias
+
+    def GetSpec(self, request, context):
+        return ovt_pb2.SpecReply(spec=self.alias)
+
+
+def test_an_aliased_spec_is_refused_and_the_real_jobs_store_is_untouched(daemons, finished):
+    """Finding 3: an auditor asked to audit X at a trainer serving the alias replayed into
+    Y's store and deleted Y's challenge."""
+    auditor = daemons("auditor")  # holds the real job Y, audited
+    alias = _aliased(finished.spec)
+    alias_id = hashlib.sha256(alias).digest()
+    assert alias_id != finished.spec.job_id
+    before = sorted((p, p.stat().st_mtime_ns) for p in Path(auditor.node.runner.store_root)
+                    .rglob("*") if p.is_file())
+    hostile = _AliasServer(StoreDirectory(finished.root), alias)
+    server, port = build_server(
+        "127.0.0.1:0", [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(hostile, s)],
+        tls_cert=None, tls_key=None, allow_remote_plaintext=False)
+    server.start()
+    try:
+        with grpc.insecure_channel(auditor.address) as channel:
+            stub = ovt_pb2_grpc.AuditorStub(channel)
+            stub.Audit(ovt_pb2.AuditRequest(job_id=alias_id,
+                                            trainer_address=f"127.0.0.1:{port}"),
+                       timeout=BOUND_S)
+            report = list(stub.WatchAudit(ovt_pb2.JobRef(job_id=alias_id), timeout=BOUND_S))[-1]
+    finally:
+        server.stop(grace=None).wait(BOUND_S)
+    assert report.state == "failed" and "spec" in report.error, report
+    after = sorted((p, p.stat().st_mtime_ns) for p in Path(auditor.node.runner.store_root)
+                   .rglob("*") if p.is_file())
+    assert after == before
+    assert _get_leaf_seconds(auditor) < ANSWER_S
+
+
+# -- the undecodable log -----------------------------------------------------------------------
+
+class _UndecodableLog(StepHooks):
+    """A trainer that commits to a rounding log that does not decode at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after(self, t, ex, log):
+        return ex.state(), (b"not a rounding log" if t == self.step else log)
+
+
+def test_an_undecodable_log_is_challenged_by_the_auditor_daemon_and_ruled_invalid_log(
+        daemons, tmp_path_factory):
+    """Finding 2, against real daemons: the audit ended FAILED with no challenge, so the
+    cheat escaped although the arbiter would rule invalid-log."""
+    cheat_step = 3
+    spec, state0 = _job(init_seed=6)
+    root = tmp_path_factory.mktemp("cheater")
+    store = JobStore(root, spec)
+    store.put_initial(state0)
+    run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-1t"),
+            hooks=_UndecodableLog(cheat_step))
+    store.close()
+    trainer = daemons("trainer", job=Finished(spec, root))
+    auditor = AuditorNode(tmp_path_factory.mktemp("auditor"), KeyPair.generate(),
+                          Profile.parse("emulated-gpu"), listen="127.0.0.1:0")
+    auditor_port = auditor.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{auditor_port}") as a_channel, \
+                grpc.insecure_channel(trainer.address) as t_channel:
+            stub = ovt_pb2_grpc.AuditorStub(a_channel)
+            stub.Audit(ovt_pb2.AuditRequest(job_id=spec.job_id,
+                                            trainer_address=trainer.address), timeout=BOUND_S)
+            report = list(stub.WatchAudit(ovt_pb2.JobRef(job_id=spec.job_id),
+                                          timeout=BOUND_S))[-1]
+            assert (report.state, report.divergent_step) == ("diverged", cheat_step), report
+            challenge = Challenge.from_bytes(stub.GetChallenge(
+                ovt_pb2.JobRef(job_id=spec.job_id), timeout=BOUND_S).challenge)
+            verdict = adjudicate(spec, challenge, RemoteParty("trainer", t_channel, spec),
+                                 RemoteParty("auditor", a_channel, spec), key=KeyPair.generate(),
+                                 profile=Profile.parse("cpu-1t"), deadline_s=5.0).verdict
+        assert (verdict.fault, verdict.finding, verdict.step) == \
+            ("trainer", "invalid-log", cheat_step)
+        assert _get_leaf_seconds(trainer) < ANSWER_S
+    finally:
+        auditor.stop(grace_s=0)

@@ -23,24 +23,27 @@ What a peer can make the trainer hold is bounded before the work is done. The sp
 first, without building anything: a built-in program's size comes from its config alone
 (`parameter_count`), refused above `max_params`. SubmitStream writes S_0 to a temporary file in
 the store root as it streams (one chunk in memory), checking its announced size against
-`max_state_bytes` and, before the first byte is written, against what is left of the in-flight
+`max_state_bytes` and, before the first byte is written, reserving it from the in-flight
 budget (`max_inflight_bytes`: the S_0 bytes of all submissions in flight together, Submit's
-included); the file is removed however the call ends. S_0s are then loaded, checked against h_0
-and stored one at a time, so only one is in memory however many stream in.
+included), so concurrent submissions never hold more on disk together; the file is removed
+however the call ends. S_0 is then hashed where it lies (`safetensors_file_digest`, one chunk
+in memory at a time), checked against h_0 and moved into the job's store as its checkpoint 0:
+it is never loaded or held in memory whole, so what submissions hold in memory is the chunk
+each stream has in flight (at most one gRPC message, `--max-message-mb`, per stream slot).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import receive_chunks
 from proto.status import job_id_of, rpc_errors
-from protocol.codec.state import load_safetensors, state_digest
+from protocol.codec.state import safetensors_file_digest
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import (
     ConfigError,
@@ -126,14 +129,11 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         self.max_state_bytes, self.max_params = max_state_bytes, max_params
         self.allowed_programs = frozenset(allowed_programs)
         self._inflight = ByteBudget(max_inflight_bytes)
-        # One thread loads, checks and stores every S_0: one at a time, so one store creation
-        # per job however many clients submit it and one S_0 in memory however many stream in;
-        # and on one thread, so each reuses the memory the last one freed (glibc keeps what a
-        # thread frees in that thread's arena: on 8 worker threads the peak would grow with
-        # every thread a submission ever ran on).
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ovt-submit")
+        self._storing = threading.Lock()  # one store creation per job, however many submit it
 
     def Submit(self, request, context):
+        """Submit with S_0 in the request (bounded by the gRPC message size): checked and
+        stored as SubmitStream's is."""
         self._require_running()
         spec = self._spec(request.spec)
         if len(request.initial_state) > self.max_state_bytes:
@@ -141,9 +141,10 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                                f"more than the {self.max_state_bytes} allowed")
         self._require_room(spec)  # cheap first: a user program is built to check its config
         self._check_program(spec)
-        with self._inflight.claim() as reserve:
+        with self._state_file() as (reserve, out, path):
             reserve(len(request.initial_state))
-            return self._loader.submit(self._submit, spec, lambda: request.initial_state).result()
+            out.write(request.initial_state)
+            return self._submit(spec, out, path)
 
     def SubmitStream(self, request_iterator, context):
         """Submit with S_0 streamed in chunks. The spec (first part) is checked, program
@@ -166,32 +167,50 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                     raise RequestError("only the first part of SubmitStream may carry a spec")
                 yield part.initial_state
 
+        with self._state_file() as (reserve, out, path):
+            try:
+                receive_chunks(state_chunks(), self.max_state_bytes, out, admit=reserve)
+            except PeerError as err:
+                raise RequestError(f"initial_state: {err}") from None
+            return self._submit(spec, out, path)
+
+    @contextmanager
+    def _state_file(self) -> Iterator[tuple[Callable[[int], None], BinaryIO, Path]]:
+        """(`reserve`, file, its path) for one submission's S_0: a temporary file in the store
+        root, removed when the block ends however it ends (unless the job's store took it),
+        and `reserve(n)`, which takes n bytes of the in-flight budget until then (raising
+        ResourceLimitError, as `ByteBudget.claim`, when they are not left). Raises
+        ResourceLimitError when the disk has no room for S_0 (or for storing it)."""
         try:
             with self._inflight.claim() as reserve, \
                     temporary_file(self.root, "submitted-s0") as (out, path):
-                try:
-                    receive_chunks(state_chunks(), self.max_state_bytes, out, admit=reserve)
-                    out.flush()
-                except PeerError as err:
-                    raise RequestError(f"initial_state: {err}") from None
-                return self._loader.submit(self._submit, spec, path.read_bytes).result()
-        except OSError as err:  # no room on disk for S_0 (or for storing it)
+                yield reserve, out, path
+        except OSError as err:
             raise ResourceLimitError(f"the trainer cannot hold the initial state: "
                                      f"{err.strerror or err}") from None
 
-    def _submit(self, spec: JobSpec, initial_state: Callable[[], bytes]) -> ovt_pb2.SubmitReply:
-        """Load S_0 (`initial_state()` gives its bytes), check it against h_0, store and queue
-        the job; on the one loader thread only. Raises as `_initial_state`, RefusedError when
-        the store holds another job under this id, ResourceLimitError when the queue is full."""
-        self._require_room(spec)  # again: the queue may have filled while S_0 streamed
-        state0 = self._initial_state(initial_state(), spec)
+    def _submit(self, spec: JobSpec, out: BinaryIO, path: Path) -> ovt_pb2.SubmitReply:
+        """Check the S_0 written to `path` (through `out`) against h_0 where it lies, then
+        store it (the file moves into the job's store) and queue the job. Raises RequestError
+        for an S_0 that is not a safetensors state or does not hash to h_0, RefusedError when
+        the store holds another job under this id, ResourceLimitError when the queue is full.
+        """
+        out.flush()
         try:
-            store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
-            if store.last_step() < 0:
-                store.put_initial(state0)
-            self.runner.submit(store)
-        except StoreError as err:  # the store holds another job under this id
-            raise RefusedError(str(err)) from None
+            digest = safetensors_file_digest(path)
+        except StateFormatError as err:
+            raise RequestError(f"initial_state is not safetensors: {_one_line(err)}") from None
+        if digest != spec.h0:
+            raise RequestError("initial_state does not hash to the job's h_0")
+        with self._storing:
+            self._require_room(spec)  # again: the queue may have filled while S_0 streamed
+            try:
+                store = self.runner.stores.get(spec.job_id) or JobStore(self.root, spec)
+                if store.last_step() < 0:
+                    store.put_initial_file(path, digest)
+                self.runner.submit(store)
+            except StoreError as err:  # the store holds another job under this id
+                raise RefusedError(str(err)) from None
         return ovt_pb2.SubmitReply(job_id=spec.job_id)
 
     def Status(self, request, context):
@@ -227,16 +246,6 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
             return JobSpec.from_bytes(data)
         except OvtError as err:
             raise RequestError(f"bad job spec: {err}") from None
-
-    @staticmethod
-    def _initial_state(data: bytes, spec: JobSpec):
-        try:
-            state = load_safetensors(data)
-        except StateFormatError as err:
-            raise RequestError(f"initial_state is not safetensors: {_one_line(err)}") from None
-        if state_digest(state) != spec.h0:
-            raise RequestError("initial_state does not hash to the job's h_0")
-        return state
 
     def _check_program(self, spec: JobSpec) -> None:
         """Refuse a program this trainer may not load, whose source is not the committed one, or

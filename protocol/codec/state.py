@@ -17,15 +17,19 @@ Two decoders take a state from untrusted bytes: `decode_state` (the canonical en
 `load_safetensors` (a checkpoint, an S_0, evidence). Both build every tensor through one
 function, `_tensor`, so both refuse the same things with a `StateFormatError` before torch sees
 them: a dtype outside `DTYPES`, a shape torch cannot hold, a byte count that does not fit the
-shape, bool bytes other than 0 and 1.
+shape, bool bytes other than 0 and 1. `safetensors_file_digest` hashes the state in a
+safetensors file without loading it (a submitted S_0, where it lies on disk): the same
+checks, on the same header parse, one chunk in memory at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import safetensors
 import torch
@@ -35,6 +39,7 @@ from protocol.errors import StateFormatError
 
 MAGIC = b"OVTS"
 VERSION = 1
+FILE_CHUNK_BYTES = 1 << 20  # what `safetensors_file_digest` reads at a time
 
 _NAMES = {v: k for k, v in DTYPES.items()}
 # numpy cannot hold bfloat16: its bytes travel as int16 of the same width.
@@ -60,17 +65,28 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _chunks(state: State) -> Iterator[bytes | memoryview]:
-    yield MAGIC + struct.pack("<BI", VERSION, len(state))
+    yield _encoding_head(len(state))
     for name in sorted(state):
         t = state[name]
         if t.dtype not in _NAMES:
             raise TypeError(f"state tensor {name!r} has unsupported dtype {t.dtype}")
-        name_b, dtype_b = name.encode("utf-8"), _NAMES[t.dtype].encode("ascii")
-        _require_encodable(name, len(name_b), t.dim())
         data = tensor_bytes(t)
-        yield (struct.pack("<H", len(name_b)) + name_b + struct.pack("<B", len(dtype_b)) + dtype_b
-               + struct.pack(f"<B{t.dim()}Q", t.dim(), *t.shape) + struct.pack("<Q", data.nbytes))
+        yield _tensor_head(name, t.dtype, list(t.shape), data.nbytes)
         yield data
+
+
+def _encoding_head(count: int) -> bytes:
+    """The encoding's first bytes: magic, version, tensor count."""
+    return MAGIC + struct.pack("<BI", VERSION, count)
+
+
+def _tensor_head(name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> bytes:
+    """The bytes before one tensor's raw bytes: name, dtype, shape, byte count. Raises
+    StateFormatError for a name or a shape the encoding cannot hold."""
+    name_b, dtype_b = name.encode("utf-8"), _NAMES[dtype].encode("ascii")
+    _require_encodable(name, len(name_b), len(shape))
+    return (struct.pack("<H", len(name_b)) + name_b + struct.pack("<B", len(dtype_b)) + dtype_b
+            + struct.pack(f"<B{len(shape)}Q", len(shape), *shape) + struct.pack("<Q", nbytes))
 
 
 def state_digest(state: State) -> bytes:
@@ -145,13 +161,69 @@ def load_safetensors(data: bytes) -> dict[str, torch.Tensor]:
         raise StateFormatError(f"not a safetensors state: {err}") from None
     state: dict[str, torch.Tensor] = {}
     for name, view in views:
-        dtype = SAFETENSORS_DTYPES.get(view["dtype"])
-        if dtype is None:
-            raise StateFormatError(f"safetensors tensor {name!r} has dtype {view['dtype']!r}, "
-                                   f"not one of {', '.join(SAFETENSORS_DTYPES)}")
+        dtype = _safetensors_dtype(name, view["dtype"])
         _require_encodable(name, len(name.encode("utf-8")), len(view["shape"]))
         state[name] = _tensor(name, view["data"], dtype, view["shape"])
     return state
+
+
+def safetensors_file_digest(path: str | Path) -> bytes:
+    """h_t of the state in the safetensors file at `path`, read FILE_CHUNK_BYTES at a time,
+    never whole: `state_digest(load_safetensors(data))` for the file's bytes `data`, and
+    refusing exactly what `load_safetensors` refuses (how a trainer checks a submitted S_0
+    against h_0 where it lies on disk, however large).
+
+    The safetensors parser checks the header, as it does for `load_safetensors` (`safe_open`
+    and `deserialize` run the same header check: size, JSON, offsets covering the data
+    exactly); each tensor's dtype, name, shape and byte count pass the same checks as there,
+    and bool bytes are 0 or 1. Raises StateFormatError for anything else, OSError as the file
+    does.
+    """
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as checked:
+            parsed = {name: (checked.get_slice(name).get_dtype(),
+                             checked.get_slice(name).get_shape()) for name in checked.keys()}
+    except safetensors.SafetensorError as err:
+        raise StateFormatError(f"not a safetensors state: {err}") from None
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        entries = _offsets(f.read(header_size), parsed)
+        h = hashlib.sha256(_encoding_head(len(entries)))
+        for name in sorted(entries):
+            dtype, shape = _safetensors_dtype(name, parsed[name][0]), parsed[name][1]
+            begin, end = entries[name]
+            _require_layout(name, end - begin, dtype, shape)
+            h.update(_tensor_head(name, dtype, shape, end - begin))
+            f.seek(8 + header_size + begin)
+            for offset in range(begin, end, FILE_CHUNK_BYTES):
+                raw = f.read(min(FILE_CHUNK_BYTES, end - offset))
+                if dtype == torch.bool:
+                    _require_bool_bytes(name, raw)
+                h.update(raw)
+    return h.digest()
+
+
+def _offsets(header: bytes, parsed: dict[str, tuple[str, list[int]]]) -> dict[str, list[int]]:
+    """Each tensor's (begin, end) data offsets from a safetensors header that the safetensors
+    parser has checked and read as `parsed` (name: dtype, shape), which does not give them.
+    Raises StateFormatError should this JSON read differently here (names, dtypes, shapes)."""
+    try:
+        entries = json.loads(header)
+        entries.pop("__metadata__", None)
+        if {name: (e["dtype"], e["shape"]) for name, e in entries.items()} == parsed:
+            return {name: e["data_offsets"] for name, e in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    raise StateFormatError("the safetensors header reads differently as JSON than in the "
+                           "safetensors parser")
+
+
+def _safetensors_dtype(name: str, dtype: str) -> torch.dtype:
+    """The dtype of a safetensors tensor; StateFormatError for one outside `DTYPES`."""
+    if dtype not in SAFETENSORS_DTYPES:
+        raise StateFormatError(f"safetensors tensor {name!r} has dtype {dtype!r}, not one of "
+                               f"{', '.join(SAFETENSORS_DTYPES)}")
+    return SAFETENSORS_DTYPES[dtype]
 
 
 def _require_encodable(name: str, name_bytes: int, ndim: int) -> None:
@@ -167,9 +239,19 @@ def _require_encodable(name: str, name_bytes: int, ndim: int) -> None:
 
 def _tensor(name: str, raw: bytearray, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """The tensor of `dtype` and `shape` whose little-endian row-major bytes are `raw` (which
-    becomes its memory). Raises StateFormatError for a shape torch cannot hold (a dimension or
-    the product of the non-zero dimensions over MAX_ELEMENTS), a byte count other than the
-    shape's, or bool bytes other than 0 and 1 (another byte string for the same value)."""
+    becomes its memory). Raises StateFormatError as `_require_layout` and, for bool,
+    `_require_bool_bytes`."""
+    _require_layout(name, len(raw), dtype, shape)
+    if dtype == torch.bool:
+        _require_bool_bytes(name, raw)
+    storage = _BYTE_VIEW.get(dtype, dtype)
+    flat = torch.frombuffer(raw, dtype=storage) if raw else torch.empty(0, dtype=storage)
+    return flat.view(dtype).reshape(shape)
+
+
+def _require_layout(name: str, nbytes: int, dtype: torch.dtype, shape: list[int]) -> None:
+    """Raises StateFormatError for a shape torch cannot hold (a dimension or the product of the
+    non-zero dimensions over MAX_ELEMENTS) or a byte count other than the shape's."""
     numel = 1
     for dim in shape:
         if type(dim) is not int or dim < 0:
@@ -179,14 +261,16 @@ def _tensor(name: str, raw: bytearray, dtype: torch.dtype, shape: list[int]) -> 
             raise StateFormatError(f"state tensor {name!r}: shape {tuple(shape)} is beyond what "
                                    f"torch holds (non-zero dimensions multiply past 2**63 - 1)")
     numel = numel if all(shape) else 0
-    if len(raw) != numel * dtype.itemsize:
-        raise StateFormatError(f"state tensor {name!r}: {len(raw)} bytes for shape "
+    if nbytes != numel * dtype.itemsize:
+        raise StateFormatError(f"state tensor {name!r}: {nbytes} bytes for shape "
                                f"{tuple(shape)} of {dtype}")
-    if dtype == torch.bool and raw.translate(None, b"\x00\x01"):
+
+
+def _require_bool_bytes(name: str, raw: bytes | bytearray) -> None:
+    """Raises StateFormatError for a bool byte other than 0 and 1 (another byte string for
+    the same value)."""
+    if raw.translate(None, b"\x00\x01"):
         raise StateFormatError(f"state tensor {name!r}: a bool byte other than 0 or 1")
-    storage = _BYTE_VIEW.get(dtype, dtype)
-    flat = torch.frombuffer(raw, dtype=storage) if raw else torch.empty(0, dtype=storage)
-    return flat.view(dtype).reshape(shape)
 
 
 def states_equal(a: State, b: State) -> bool:

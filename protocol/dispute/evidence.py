@@ -25,6 +25,7 @@ from protocol.dispute.verdict import Verdict, replayed, verify_verdict
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, StateFormatError, VerdictError
 from protocol.files import atomic_write
+from protocol.job.create import load_job_program
 
 STATE_FILE = "prev_state.safetensors"
 EXAMPLES_FILE = "examples.ovtx"
@@ -142,7 +143,8 @@ def recheck_evidence(verdict: Verdict | bytes, directory: str | Path, *,
     if d is None or d.step != signed.step:
         raise VerdictError(f"the verdict's transcript does not dispute step {signed.step}")
     prev_state, examples, log = load_evidence(directory)
-    again = reexecute(spec, d, prev_state, examples, log, profile=profile)
+    again = reexecute(spec, d, prev_state, examples, log,
+                      program=load_job_program(spec, examples=False), profile=profile)
     if again.finding == "bad-evidence":
         raise VerdictError(f"the evidence in {directory} is not the evidence of step {d.step}: "
                            f"{again.detail}")

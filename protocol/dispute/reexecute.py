@@ -44,10 +44,10 @@ from protocol.errors import (
     LogViolationError,
     ProofError,
 )
-from protocol.job.create import load_job_program
 
 if TYPE_CHECKING:
     from protocol.dispute.game import Dispute
+    from protocol.engine.programs.base import TrainingProgram
     from protocol.job.spec import JobSpec
 
 FINDINGS = ("computed", "invalid-log", "withheld", "bad-evidence")
@@ -200,8 +200,14 @@ def check_log(dispute: Dispute, log: object) -> tuple[bytes | None, str | None]:
 
 
 def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tensor],
-              examples: list[ProvenExample], log: bytes, *, profile: Profile) -> Reexecution:
+              examples: list[ProvenExample], log: bytes, *, program: TrainingProgram,
+              profile: Profile) -> Reexecution:
     """Check the evidence for disputed step i = `dispute.step` and replay it (SPEC §5.3).
+
+    `program` is the job's program as `protocol.job.create.load_job_program(spec,
+    examples=False)` builds it (B_i's examples are `examples`, checked here): the caller builds
+    it once, for this and for the batch size its evidence checks need, and hands it over
+    unused (the executor loads S_{i-1} into its model).
 
     Checks, in order: S_{i-1} hashes to the agreed h_{i-1} and holds step counter i - 1;
     `examples` are exactly the committed examples of B_i; `log` hashes to the trainer's ℓ_i.
@@ -210,12 +216,10 @@ def reexecute(spec: JobSpec, dispute: Dispute, prev_state: dict[str, torch.Tenso
     decode, a log violation or a log/site mismatch gives "invalid-log" (SPEC §3.2, §3.3),
     otherwise "computed" with h_i* = the hash of the resulting state.
 
-    Raises only for the arbiter's own problems: a profile that cannot run here (ConfigError),
-    a program whose source differs from the spec's (ProgramError).
+    Raises only for the arbiter's own problems: a profile that cannot run here (ConfigError).
     """
     started = time.perf_counter()
     step = dispute.step
-    program = load_job_program(spec, examples=False)  # B_i's examples are `examples`, checked
     prev_hash, problem = check_state(dispute, prev_state)
     digests, examples_problem = check_examples(spec, step, examples, program.batch_size)
     log_hash, log_problem = check_log(dispute, log)

@@ -115,6 +115,15 @@ class JobQueue(Generic[S]):
         with self.lock:
             return self._statuses.get(job_id)
 
+    def forget(self, job_id: bytes) -> None:
+        """Drop the status of a job that is not waiting (a finished one): `get` answers None
+        for it from now on. Raises ValueError for a waiting job, which the worker will run."""
+        with self.lock:
+            if job_id in self._waiting:
+                raise ValueError(f"job {job_id.hex()} is waiting; its status is needed")
+            self._statuses.pop(job_id, None)
+            self.lock.notify_all()
+
     def wait_for(self, job_id: bytes, ready: Callable[[S | None], bool],
                  timeout: float | None) -> S | None:
         """The job's status once `ready(status)` holds (None: no status yet), or as it is after

@@ -34,7 +34,7 @@ from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
 from protocol.engine.executor import Executor
 from protocol.errors import StateFormatError, StoreError
-from protocol.files import atomic_write
+from protocol.files import atomic_move, atomic_write
 from protocol.job.spec import JobSpec
 
 SPEC_FILE = "spec.ovtjob"  # a job's store exists once its directory holds this file
@@ -104,6 +104,20 @@ class JobStore:
         if state_digest(state0) != self.spec.h0:
             raise StoreError("initial state does not hash to the job's h_0")
         self._write_checkpoint(0, state0)
+        self._put_leaf(Leaf(0, self.spec.h0, EMPTY_LOG_DIGEST))
+
+    def put_initial_file(self, path: Path, digest: bytes) -> None:
+        """Store the safetensors file at `path` as S_0 (it moves into place: `path` is gone
+        afterwards) and leaf 0, as `put_initial` stores a state: an S_0 that is never loaded
+        here (a submitted one, hashed where it lies). `digest` is the state's h_t as
+        `protocol.codec.state.safetensors_file_digest` gave it, which must be h_0; reading the
+        checkpoint checks it again. `path` must be on the store's filesystem. Durable as
+        `atomic_write` is: the file is fsynced before it takes the checkpoint's name and the
+        folder after, then the leaf row is committed. Raises StoreError for another digest,
+        OSError as the filesystem does."""
+        if digest != self.spec.h0:
+            raise StoreError("initial state does not hash to the job's h_0")
+        atomic_move(path, self._checkpoint_path(0))
         self._put_leaf(Leaf(0, self.spec.h0, EMPTY_LOG_DIGEST))
 
     def append_step(self, step: int, state: dict[str, torch.Tensor], log: bytes) -> Leaf:

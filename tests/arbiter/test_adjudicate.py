@@ -18,6 +18,7 @@ from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
 from protocol.dispute.challenge import Challenge
 from protocol.errors import ArbiterError, ConfigError, NoAnswer
+from protocol.job import create
 from protocol.job.faults import parse_fault
 from trainer_node.faults import TrainerFaults
 
@@ -162,3 +163,40 @@ def test_a_silent_auditor_loses_at_the_deadline_of_the_first_question(job, tmp_p
     verdict = result.verdict
     assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "timeout", 3)
     assert verdict.timings["bisection_s"] >= 0.5
+
+
+class _Prepared(StoreParty):
+    """Serves S_3 and B_4 fetched before the adjudication (building nothing while it runs)."""
+
+    def __init__(self, role, store) -> None:
+        super().__init__(role, store)
+        self._state, self._batch = StoreParty.state(self, 3, 30), StoreParty.batch(self, 4, 30)
+
+    def state(self, step, timeout_s):
+        assert step == 3
+        return self._state
+
+    def batch(self, step, timeout_s):
+        assert step == 4
+        return self._batch
+
+
+def test_the_arbiter_builds_the_program_once_per_adjudication(job, tmp_path, monkeypatch):
+    # Regression (issue 10 review): the arbiter built the job's model for B_i's batch size
+    # and again to re-execute step i.
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("swap-checkpoint:4")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    trainer = _Prepared("trainer", dispute.trainer)
+    built = []
+
+    def load_program(*args, **kwargs):
+        built.append(args)
+        return real(*args, **kwargs)
+
+    real = create.load_program
+    monkeypatch.setattr(create, "load_program", load_program)
+    verdict = settle(dispute, trainer=trainer).verdict
+    assert (verdict.fault, verdict.finding, verdict.step) == ("trainer", "wrong-state", 4)
+    assert len(built) == 1

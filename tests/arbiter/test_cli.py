@@ -10,6 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from arbiter import adjudicate as adjudicate_module
 from arbiter.cli import main
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
@@ -164,6 +165,24 @@ def test_bad_input_is_one_line_and_exit_2(dispute, serve, tmp_path, capsys, chan
     assert err.strip().splitlines()[-1].startswith("ovt-arbiter: error:")
     assert "Traceback" not in err
     assert not (tmp_path / "v").exists()
+
+
+def test_finding_8_the_arbiters_own_failure_is_exit_2_with_no_verdict(dispute, serve, tmp_path,
+                                                                     capsys, monkeypatch):
+    """Issue 10, finding 8 at the command line: a failure of the arbiter's own code while it
+    checks the evidence ends with no verdict, exit 2 and one line saying so."""
+    root, _ = dispute
+
+    def broken(*args):
+        raise RuntimeError("a bug in the arbiter")
+
+    monkeypatch.setattr(adjudicate_module, "check_state", broken)
+    out = tmp_path / "verdict.ovtv"
+    assert _adjudicate(dispute, serve(root / "trainer"), serve(root / "auditor"), out) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ovt-arbiter: error:") and "failed on the arbiter's side" in last
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_no_challenge_from_the_auditor_is_exit_2(dispute, serve, tmp_path, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 
 import pytest
 
@@ -14,7 +15,7 @@ from auditor_node.audit import CHALLENGE_FILE, DIVERGED, MATCHED, run_audit
 from auditor_node.cli import main
 from auditor_node.leafcache import CACHE_FILE
 from proto import ovt_pb2, ovt_pb2_grpc
-from proto.claims import ClaimsServicer, StoreDirectory
+from proto.claims import ClaimsServicer, StoreDirectory, chunks
 from proto.serving import build_server, make_self_signed_cert
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
@@ -266,3 +267,27 @@ def test_a_model_over_max_params_is_refused_before_anything_is_built(trained, tr
     record = run_audit(trainer_address, trained.spec.job_id, tmp_path, KeyPair.generate(),
                        AUDITOR_PROFILE, max_params=params)
     assert record.state == "matched"
+
+
+class _HostileS0(ClaimsServicer):
+    """A trainer whose S_0 is a safetensors file of a dtype torch would fail on (U16)."""
+
+    def GetCheckpoint(self, request, context):
+        if request.step != 0:
+            yield from super().GetCheckpoint(request, context)
+            return
+        header = json.dumps({"w": {"dtype": "U16", "shape": [1], "data_offsets": [0, 2]}})
+        yield from chunks(struct.pack("<Q", len(header)) + header.encode() + b"\x01\x00")
+
+
+def test_finding_7_cli_audit_of_a_hostile_s0_exits_2_in_one_line(trained, auditor_key,
+                                                                   tmp_path, capsys):
+    """Issue 10, finding 7: `ovt-auditor audit` against a hostile S_0 exited 1 (the code for
+    "diverged") with a traceback."""
+    with serve_claims(_HostileS0(StoreDirectory(trained.root))) as address:
+        code = main(["audit", "--trainer", address, "--job", trained.spec.job_id.hex(),
+                     "--store", str(tmp_path / "store"), "--key", str(auditor_key)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("ovt-auditor: error: ") and "not a safetensors state" in err, err
+    assert "\n" not in err and "Traceback" not in err

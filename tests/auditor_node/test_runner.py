@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from auditor_node import runner as runner_module
 from auditor_node.audit import AuditRecord
 from auditor_node.runner import RECORD_FILE, REQUEST_FILE, AuditRunner, AuditStatus
 from auditor_node.server import AuditorNode
@@ -180,6 +181,31 @@ def test_finding_9_failed_audits_of_jobs_never_fetched_leave_no_directory(runnin
         status = wait_finished(runner, job_id)
         assert status.state == "failed" and "UNAVAILABLE" in status.record.error
     assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_audits_of_jobs_never_fetched_are_remembered_up_to_a_bound(running,
+                                                                          monkeypatch):
+    """Issue 10 review: each such failure was kept in memory for good, so a peer asking for
+    random job ids grew the auditor without end. The latest MAX_UNSTORED_FAILURES are kept."""
+    monkeypatch.setattr(runner_module, "MAX_UNSTORED_FAILURES", 3)
+    script = Script("peer-error")
+    runner = running(script)
+    job_ids = [bytes([i]) * 32 for i in range(1, 6)]
+    versions = []
+    for job_id in job_ids:
+        runner.submit(job_id, "127.0.0.1:7000")
+        status = wait_finished(runner, job_id)
+        assert status.state == "failed"
+        versions.append(status.version)
+    assert [runner.get(job_id) is not None for job_id in job_ids] == [False, False, True, True,
+                                                                      True]
+    runner.submit(job_ids[2], "127.0.0.1:7000")  # a remembered one, audited again: latest
+    assert wait_finished(runner, job_ids[2]).version > versions[2]
+    runner.submit(job_ids[0], "127.0.0.1:7000")  # a forgotten one starts afresh
+    assert wait_finished(runner, job_ids[0]).version == versions[0]
+    assert [runner.get(job_id) is not None for job_id in job_ids] == [True, False, True, False,
+                                                                      True]
+    assert len(script.calls) == 7
 
 
 def test_a_failed_audit_of_a_stored_job_keeps_its_record(tmp_path):

@@ -232,3 +232,31 @@ def test_ovt_auditor_audit_against_a_hostile_s0_exits_2_with_one_line(served, tm
     assert code == 2
     assert err.count("\n") == 1 and "error:" in err and "dtype 'U64'" in err
     assert "Traceback" not in err
+
+
+class _Halt(Exception):
+    pass
+
+
+def test_a_job_that_commits_again_keeps_one_merkle_tree_in_the_servicer(tmp_path):
+    """Issue 10 review: the servicer cached a tree per (job, commitment) for good, so a long
+    job committing every few steps grew every daemon that served it without end."""
+    spec, state0 = build_job(program="image-cnn", config=TINY, preset=None, steps=4, seed=0,
+                             init_seed=1, policy=PrecisionPolicy(), checkpoint_interval=2,
+                             commit_interval=2)
+    store = JobStore(tmp_path, spec)
+    store.put_initial(state0)
+
+    def halt_after_2(step, steps):
+        if step == 3:
+            raise _Halt
+
+    with pytest.raises(_Halt):
+        run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-1t"),
+                progress=halt_after_2)
+    servicer = ClaimsServicer(StoreDirectory(tmp_path))
+    ref = ovt_pb2.StepRef(job_id=spec.job_id, step=1)
+    assert servicer.GetLeaf(ref, None).tree_size == 3  # under the commitment over 2 steps
+    run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-1t"))
+    assert servicer.GetLeaf(ref, None).tree_size == 5  # under the one over 4 steps
+    assert list(servicer._trees.values())[0].size == 5 and len(servicer._trees) == 1

@@ -8,6 +8,9 @@ import logging
 import grpc
 import pytest
 
+from proto import ovt_pb2, ovt_pb2_grpc
+from proto.claims import ClaimsServicer, StoreDirectory
+from proto.serving import build_server
 from proto.status import STATUS_OF, rpc_errors, status_of
 from protocol import errors
 
@@ -129,3 +132,47 @@ def test_a_peers_bad_request_is_not_logged(caplog):
     with caplog.at_level(logging.ERROR, logger="ovt.rpc"), pytest.raises(Aborted):
         _servicer(errors.RequestError("job_id must be 32 bytes"), None).Unary(None, FakeContext())
     assert caplog.records == []
+
+
+@rpc_errors
+class _Drain(ovt_pb2_grpc.TrainerServicer):
+    """A SubmitStream that reads every part its peer sends."""
+
+    def SubmitStream(self, request_iterator, context):
+        for _ in request_iterator:
+            pass
+        return ovt_pb2.SubmitReply()
+
+
+@pytest.mark.network
+def test_finding_9_an_undecodable_request_is_invalid_argument_and_logs_nothing(tmp_path,
+                                                                              caplog):
+    """Issue 10, finding 9: grpcio answered a request that is not its message INTERNAL (this
+    party's own failure, as far as a peer can tell) and logged a traceback for every one."""
+    claims = ClaimsServicer(StoreDirectory(tmp_path))
+    server, port = build_server(
+        "127.0.0.1:0", [lambda s: ovt_pb2_grpc.add_ClaimsServicer_to_server(claims, s),
+                        lambda s: ovt_pb2_grpc.add_TrainerServicer_to_server(_Drain(), s)],
+        tls_cert=None, tls_key=None, allow_remote_plaintext=False)
+    server.start()
+    garbled = b"\x0a\x20abc"  # field 1 announces 32 bytes, 3 follow
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, \
+                caplog.at_level(logging.INFO):
+            calls = {"GetLeaf": channel.unary_unary("/ovt.v1.Claims/GetLeaf"),
+                     "GetCheckpoint": lambda data, timeout: list(channel.unary_stream(
+                         "/ovt.v1.Claims/GetCheckpoint")(data, timeout=timeout)),
+                     "SubmitStream": lambda data, timeout: channel.stream_unary(
+                         "/ovt.v1.Trainer/SubmitStream")(iter([data]), timeout=timeout)}
+            for name, call in calls.items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(garbled, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert f"{name}: the request does not decode" in refused.value.details()
+            good = ovt_pb2.StepRef(job_id=bytes(32), step=1).SerializeToString()
+            with pytest.raises(grpc.RpcError) as unknown:  # decodes: the servicer answers
+                calls["GetLeaf"](good, timeout=10)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        server.stop(grace=None)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []

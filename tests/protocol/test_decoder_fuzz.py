@@ -22,9 +22,9 @@ BY_NAME = {t.name: t for t in TARGETS}
 
 
 def test_there_is_a_target_per_untrusted_decoder():
-    assert list(BY_NAME) == ["canonical", "state", "safetensors", "log", "job-spec",
-                             "signed-commitment", "claim", "challenge", "transcript", "verdict",
-                             "evidence-examples"]
+    assert list(BY_NAME) == ["canonical", "state", "safetensors", "safetensors-file", "log",
+                             "job-spec", "signed-commitment", "claim", "challenge",
+                             "transcript", "verdict", "evidence-examples"]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=BY_NAME)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import tracemalloc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,3 +245,35 @@ def test_finding_9_the_trainer_removes_stale_temp_files_on_start(tmp_path):
         path.write_bytes(b"half written")
     with serving(store) as started:
         assert started.temp_files() == []
+
+
+def test_finding_6_a_submitted_s0_is_hashed_on_disk_and_stored_as_it_came(tmp_path):
+    """Finding 6 (review): the trainer read a submitted S_0 whole into memory, loaded it,
+    hashed it twice and saved it again. Now it is hashed where it lies and moved into the
+    store: the checkpoint holds the bytes sent (with the client's own metadata), and the
+    submission allocates far less than the S_0 (Python allocations: what reading, loading or
+    saving it would take shows up here; the runner is not started, so nothing trains)."""
+    spec, state = build_job(program="char-transformer", preset="test", steps=2, seed=0,
+                            config={"d_model": 256, "n_heads": 4, "n_layers": 2}, init_seed=1,
+                            policy=PrecisionPolicy(), checkpoint_interval=1, commit_interval=2)
+    state0 = safetensors.torch.save(state, metadata={"sent by": "a client"})
+    assert len(state0) > 6 << 20
+    node = TrainerNode(TrainerConfig(
+        listen="127.0.0.1:0", store=tmp_path / "store", key=KeyPair.generate(),
+        profile=Profile.parse("cpu-1t"), max_message_bytes=MESSAGE_LIMIT,
+        max_state_bytes=16 << 20))
+    node.server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{node.port}") as channel:
+            tracemalloc.start()
+            try:
+                assert submit_job(channel, spec.to_bytes(), state0, timeout=WAIT_S,
+                                  chunk_bytes=16 << 10) == spec.job_id
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+    finally:
+        assert node.stop()
+    stored = tmp_path / "store" / spec.job_id.hex() / "checkpoints" / "000000000.safetensors"
+    assert stored.read_bytes() == state0
+    assert peak < len(state0) / 3, (peak, len(state0))

@@ -12,12 +12,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.codec import state as state_module
 from protocol.codec.dtypes import DTYPES, SAFETENSORS_DTYPES
 from protocol.codec.state import (
     MAGIC,
     decode_state,
     encode_state,
     load_safetensors,
+    safetensors_file_digest,
     state_digest,
     states_equal,
 )
@@ -341,3 +343,42 @@ def test_malformed_safetensors_is_a_state_format_error(data):
 def test_peer_safetensors_bool_byte_other_than_0_or_1_is_refused():
     with pytest.raises(StateFormatError, match="bool byte"):
         load_safetensors(_safetensors("BOOL", [1], b"\x02"))
+
+
+# -- safetensors_file_digest: a submitted S_0 hashed where it lies (issue 10, finding 6) --------
+
+def _file(tmp_path, data: bytes):
+    path = tmp_path / "s0.safetensors"
+    path.write_bytes(data)
+    return path
+
+
+def test_a_safetensors_file_hashes_to_the_digest_of_the_state_it_holds(tmp_path, monkeypatch):
+    """Finding 6 (review): the trainer read a submitted S_0 whole into memory to hash it."""
+    monkeypatch.setattr(state_module, "FILE_CHUNK_BYTES", 5)  # tensors span many reads
+    state = sample_state()
+    data = safetensors.torch.save(state, metadata={"job_id": "x"})
+    assert safetensors_file_digest(_file(tmp_path, data)) == state_digest(state)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00" * 8, b"\xff" * 16, _safetensors("F32", [2], b"x"),
+    _safetensors("U16", [1], b"\x01\x00"), _safetensors("F32", [0, 2**64 - 1], b""),
+    _safetensors("BOOL", [3], b"\x01\x00\x02"), _safetensors("I8", [2], b"\x01\x02") + b"!",
+    _safetensors("I8", [1] * 256, b"\x01")],
+    ids=["empty", "zero-header", "huge-header", "short-data", "u16", "huge-shape", "bool-byte",
+         "trailing", "256-dims"])
+def test_a_safetensors_file_is_refused_exactly_as_its_bytes_are(tmp_path, data):
+    with pytest.raises(StateFormatError):
+        load_safetensors(data)
+    with pytest.raises(StateFormatError):
+        safetensors_file_digest(_file(tmp_path, data))
+
+
+def test_a_header_json_reads_differently_from_the_safetensors_parser_is_refused(tmp_path,
+                                                                                  monkeypatch):
+    data = _safetensors("I8", [2], b"\x01\x02")
+    monkeypatch.setattr(state_module.json, "loads", lambda header: {"t": {"dtype": "I8",
+                                                                          "shape": [1]}})
+    with pytest.raises(StateFormatError, match="reads differently"):
+        safetensors_file_digest(_file(tmp_path, data))

@@ -108,7 +108,7 @@ def job(tmp_path_factory) -> TinyJob:
 def test_reexecution_on_another_profile_gives_exactly_the_trainers_state(job, step):
     prev_state, examples, log = evidence(job, step)
     r = reexecute(job.spec, dispute_at(job, step), prev_state, examples, log,
-                  profile=ARBITER_PROFILE)
+                  program=_program(job), profile=ARBITER_PROFILE)
     assert r.finding == "computed", r.detail
     assert r.state_hash == job.store.leaf(step).state_hash
     assert r.step == step and r.withheld_by is None and r.profile == "emulated-gpu"
@@ -122,11 +122,17 @@ def test_reexecution_on_another_profile_gives_exactly_the_trainers_state(job, st
 def test_reexecution_does_not_modify_the_evidence(job):
     prev_state, examples, log = evidence(job, 3)
     before = state_digest(prev_state), [example_digest(e.example) for e in examples]
-    reexecute(job.spec, dispute_at(job, 3), prev_state, examples, log, profile=ARBITER_PROFILE)
+    reexecute(job.spec, dispute_at(job, 3), prev_state, examples, log, program=_program(job),
+              profile=ARBITER_PROFILE)
     assert (state_digest(prev_state), [example_digest(e.example) for e in examples]) == before
 
 
 # ---- invalid-log: the trainer signed a log that cannot be right --------------------------------
+
+def _program(job):
+    """The job's program as the arbiter builds it (no data file; B_i from the parties)."""
+    return load_job_program(job.spec, examples=False)
+
 
 def _invented(log: RoundingLog) -> RoundingLog:
     """The log with an entry invented at every unlogged element of its first large site: most
@@ -146,7 +152,7 @@ def test_log_with_invented_entries_is_invalid(job):
     prev_state, examples, log = evidence(job, 4)
     forged = encode_log(_invented(decode_log(log)))
     r = reexecute(job.spec, dispute_at(job, 4, log_hash=log_digest(forged)), prev_state,
-                  examples, forged, profile=ARBITER_PROFILE)
+                  examples, forged, program=_program(job), profile=ARBITER_PROFILE)
     assert r.finding == "invalid-log" and r.state_hash is None
     assert "log violation at step 4" in r.detail
     assert r.log_digest == log_digest(forged)
@@ -157,7 +163,7 @@ def test_log_with_a_missing_site_is_invalid(job):
     decoded = decode_log(log)
     short = encode_log(RoundingLog(decoded.sites[:-1]))
     r = reexecute(job.spec, dispute_at(job, 2, log_hash=log_digest(short)), prev_state,
-                  examples, short, profile=ARBITER_PROFILE)
+                  examples, short, program=_program(job), profile=ARBITER_PROFILE)
     assert r.finding == "invalid-log" and r.state_hash is None
 
 
@@ -178,7 +184,7 @@ def test_log_with_a_flipped_direction_replays_to_another_state(job):
         sites[k] = dataclasses.replace(site, up=up)
         flipped = encode_log(RoundingLog(tuple(sites)))
         r = reexecute(job.spec, dispute_at(job, 3, log_hash=log_digest(flipped)), prev_state,
-                      examples, flipped, profile=ARBITER_PROFILE)
+                      examples, flipped, program=_program(job), profile=ARBITER_PROFILE)
         assert r.finding == "computed"
         if r.state_hash != job.store.leaf(3).state_hash:
             return
@@ -189,7 +195,7 @@ def test_log_that_does_not_decode_is_invalid(job):
     prev_state, examples, _ = evidence(job, 2)
     garbage = b"OVTL\x01\xff"
     r = reexecute(job.spec, dispute_at(job, 2, log_hash=log_digest(garbage)), prev_state,
-                  examples, garbage, profile=ARBITER_PROFILE)
+                  examples, garbage, program=_program(job), profile=ARBITER_PROFILE)
     assert r.finding == "invalid-log" and r.state_hash is None
 
 
@@ -200,7 +206,8 @@ def _bad(job, step, *, prev_state=None, examples=None, log=None, dispute=None) -
     r = reexecute(job.spec, dispute or dispute_at(job, step),
                   good_state if prev_state is None else prev_state,
                   good_examples if examples is None else examples,
-                  good_log if log is None else log, profile=ARBITER_PROFILE)
+                  good_log if log is None else log, program=_program(job),
+                  profile=ARBITER_PROFILE)
     assert r.finding == "bad-evidence" and r.state_hash is None and r.withheld_by is None
     return r
 

@@ -31,6 +31,7 @@ from protocol.dispute.verdict import (
     verify_verdict,
 )
 from protocol.errors import VerdictError
+from protocol.job.create import load_job_program
 from tests.protocol.dispute.test_game import (
     BadProofLiar,
     Player,
@@ -410,7 +411,8 @@ def real(tmp_path_factory):
     state = play(begin(job.spec, trainer, auditor, STEPS), trainer, auditor)
     assert disputed_step(state) == REAL_D
     ev = evidence(job, REAL_D)
-    r = reexecute(job.spec, dispute(state), *ev, profile=ARBITER_PROFILE)
+    r = reexecute(job.spec, dispute(state), *ev, program=load_job_program(job.spec, examples=False),
+                  profile=ARBITER_PROFILE)
     return job, auditor, state, r, ev
 
 

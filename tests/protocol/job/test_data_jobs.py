@@ -362,8 +362,10 @@ def test_reexecution_of_a_data_job_checks_examples_against_the_commitment(tmp_pa
     dispute = Dispute(step, store.leaf(step - 1), trainer, Leaf(step, bytes(32),
                                                                 trainer.log_hash))
     shutil.rmtree(folder)  # the arbiter has no data file
+    arbiter = load_job_program(spec, examples=False)
 
-    r = reexecute(spec, dispute, prev, examples, log, profile=Profile.parse("emulated-gpu"))
+    r = reexecute(spec, dispute, prev, examples, log, program=arbiter,
+                  profile=Profile.parse("emulated-gpu"))
     assert r.finding == "computed", r.detail
     assert r.state_hash == trainer.state_hash
 
@@ -371,5 +373,6 @@ def test_reexecution_of_a_data_job_checks_examples_against_the_commitment(tmp_pa
     doctored = {**first.example, "label": (first.example["label"] + 1) % 10}
     forged = [dataclasses.replace(first, example=doctored), *examples[1:]]
     assert isinstance(forged[0], ProvenExample)
-    r = reexecute(spec, dispute, prev, forged, log, profile=Profile.parse("emulated-gpu"))
+    r = reexecute(spec, dispute, prev, forged, log, program=arbiter,
+                  profile=Profile.parse("emulated-gpu"))
     assert r.finding == "bad-evidence" and "not B_2 of the data commitment" in r.detail

@@ -93,3 +93,15 @@ def test_a_watcher_wakes_when_the_queue_stops():
     assert queue.stop(TIMEOUT_S)
     watcher.join(TIMEOUT_S)
     assert not watcher.is_alive() and result == [None]
+
+
+def test_a_finished_jobs_status_can_be_forgotten_but_not_a_waiting_ones():
+    queue: JobQueue[Status] = JobQueue("t", lambda job_id: None, max_waiting=2, noun="jobs")
+    done, waiting = _ids(2)
+    queue.set(done, Status("failed"))
+    queue.enqueue(waiting, Status("queued"))
+    queue.forget(done)
+    assert queue.get(done) is None
+    with pytest.raises(ValueError, match="is waiting"):
+        queue.forget(waiting)
+    assert queue.get(waiting) == Status("queued")

@@ -12,9 +12,11 @@ import shutil
 import struct
 
 import pytest
+import safetensors.torch
 import torch
 
-from protocol.codec.state import state_digest, states_equal
+from protocol.codec.roundinglog import EMPTY_LOG_DIGEST
+from protocol.codec.state import safetensors_file_digest, state_digest, states_equal
 from protocol.commit.commitments import Commitment, sign_commitment
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
@@ -209,3 +211,21 @@ def test_auditor_finds_the_step_of_a_falsified_leaf(trained, tmp_path):
     assert not outcome.matches
     assert outcome.first_divergent_step == 120
     assert outcome.commitment.commitment.n == 120
+
+
+def test_put_initial_file_moves_a_checked_s0_into_place(tmp_path):
+    """Issue 10, finding 6 (review): a submitted S_0 is stored as the file it came in, hashed
+    where it lies (`safetensors_file_digest`), never loaded and saved again."""
+    spec, state0 = _job(steps=2)
+    sent = tmp_path / ".submitted-s0.abcdefgh.tmp"
+    sent.write_bytes(safetensors.torch.save(state0, metadata={"from": "a client"}))
+    store = JobStore(tmp_path, spec)
+    with pytest.raises(StoreError, match="h_0"):
+        store.put_initial_file(sent, bytes(32))
+    assert sent.exists() and store.last_step() == -1
+    data = sent.read_bytes()
+    store.put_initial_file(sent, safetensors_file_digest(sent))
+    assert not sent.exists()
+    assert store.leaf(0) == Leaf(0, spec.h0, EMPTY_LOG_DIGEST)
+    assert (store.dir / "checkpoints" / "000000000.safetensors").read_bytes() == data
+    assert states_equal(store.checkpoint(0), state0)
