@@ -84,22 +84,26 @@ def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | 
 
 
 def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(r, candidates, e at the candidates) of one result `y` of a site, `flat` its values in
     logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype, the
     sorted indices into `flat` that may lie in the band (`precision.band_candidates`), and
-    their bounds (float64; None where the bound is 0, and then there are no candidates)."""
+    their bounds (float64). The last two are None where there is no candidate."""
     if bound is None or not flat.numel():
-        return flat.to(policy.target), flat.new_zeros(0, dtype=torch.int64), None
+        return flat.to(policy.target), None, None
     if fused.serves(flat) and (policy.compute, policy.target) == _FUSED_PAIR:
         spec = _flat_bound(y, bound)
         r, cand = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m, spec.col,
                                            spec.add, spec.inner, spec.rows, spec.scale,
                                            spec.floor)
-        return r, cand, spec.at(flat, cand) if cand.numel() else cand.to(torch.float64)
+        if not cand.numel():
+            return r, None, None
+        return r, cand, spec.at(flat, cand)
     e = dense_bounds([y], [bound])
     assert e is not None
     cand = band_candidates(flat, e, policy)
+    if not cand.numel():
+        return flat.to(policy.target), None, None
     return flat.to(policy.target), cand, e[cand].to(torch.float64)
 
 

@@ -172,9 +172,14 @@ def _abs_keyword(value):
 
 
 def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Euclidean norms in float64 whatever the compute dtype: in float32 the squares of
-    bfloat16 values would underflow or overflow."""
-    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
+    """Euclidean norms along `dim`, in float64 whatever the compute dtype: in float32 the
+    squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
+    cannot. Along the last dimension `vector_norm`; across it, where `vector_norm` is several
+    times slower on the CPU, the squares summed."""
+    if dim % x.dim() == x.dim() - 1:
+        return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
+    wide = x.to(torch.float64)
+    return (wide * wide).sum(dim).sqrt()
 
 
 def _mag(value) -> torch.Tensor | float:

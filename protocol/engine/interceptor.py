@@ -291,6 +291,9 @@ class RoundingMode(TorchDispatchMode):
         bounds of `rule` computed from `inputs` (None: a correctly rounded conversion, e = 0).
         `keep_compute`: the op had no target-dtype input, so its outputs go back in the compute
         dtype (rounded all the same: exact target values, widened)."""
+        if not writes and isinstance(out, torch.Tensor) and out.dtype == self.policy.compute:
+            (r,) = self._round_site(func, rule, inputs, [out])  # the common case: one result
+            return r.to(self.policy.compute) if keep_compute else r
         write_of = {id(wide): orig for orig, wide in writes}
         leaves, spec = tree_flatten(out)
         # per leaf: index into ys, the written original, or the leaf itself
@@ -306,15 +309,19 @@ class RoundingMode(TorchDispatchMode):
                 slots.append(("keep", leaf))
         first_write = len(ys)
         ys.extend(wide for _, wide in writes)
-        bounds = [None] * len(ys) if rule is None else \
-            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
-        rounded = self.rounder.round_site(op_name(func), ys, bounds)
+        rounded = self._round_site(func, rule, inputs, ys)
         if keep_compute:
             rounded = [r.to(self.policy.compute) for r in rounded]
         for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
             orig.copy_(r)
             self._widened.forget(orig)
         return tree_unflatten([rounded[v] if kind == "y" else v for kind, v in slots], spec)
+
+    def _round_site(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
+                    ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        bounds = [None] * len(ys) if rule is None else \
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
+        return self.rounder.round_site(op_name(func), ys, bounds)
 
     # -- conversions into the target dtype -------------------------------------------------------
 

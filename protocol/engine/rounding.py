@@ -97,7 +97,7 @@ class SiteRecorder:
         for y, b in zip(ys, bounds, strict=True):
             flat = y.reshape(-1)
             r, cand, ev = round_band(flat, y, b, self.policy)
-            if ev is not None and cand.numel():
+            if cand is not None and ev is not None:
                 self._candidates.append((site, cand + offset, flat[cand], r[cand], ev))
             out.append(_shaped(r, y))
             offset += y.numel()
