@@ -4,7 +4,9 @@ optional: where it cannot be built (no compiler, or one torch cannot use), the i
 and ovt computes the same with torch ops instead (the same bits, slower), warning each time it
 starts (`protocol.engine.fused`)."""
 
+import hashlib
 import sys
+from pathlib import Path
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -20,9 +22,14 @@ class OptionalBuildExtension(BuildExtension.with_options(use_ninja=False)):
                   f"instead (same bits, slower record steps)", file=sys.stderr)
 
 
+SOURCE = "protocol/engine/csrc/fused.cpp"
+# the library carries its source's hash; protocol.engine.fused refuses one built from another
+DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
+
 setup(
     ext_modules=[CppExtension(
-        "protocol.engine._fused", ["protocol/engine/csrc/fused.cpp"],
+        "protocol.engine._fused", [SOURCE],
+        define_macros=[("OVT_FUSED_SOURCE", f'"{DIGEST}"')],
         # two roundings for a*b + c, as torch computes it, and no fast-math shortcuts
         extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"])],
     cmdclass={"build_ext": OptionalBuildExtension},

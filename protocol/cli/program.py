@@ -60,21 +60,27 @@ def add_commands(sub) -> None:
 
 
 class _TallyingRecorder(SiteRecorder):
-    """A recorder that also counts, per op, its sites, elements and logged entries."""
+    """A recorder that also names the op of each site, for counts per op (`tally`)."""
 
     def __init__(self, policy: PrecisionPolicy) -> None:
         super().__init__(policy)
-        self.per_op_sites: Counter[str] = Counter()
-        self.per_op_elements: Counter[str] = Counter()
-        self.per_op_entries: Counter[str] = Counter()
+        self.ops: list[str] = []
 
     def round_site(self, op, ys, bounds):
         out = super().round_site(op, ys, bounds)
-        site = self.sites[-1]
-        self.per_op_sites[op] += 1
-        self.per_op_elements[op] += site.numel
-        self.per_op_entries[op] += site.indices.size + site.value_indices.size
+        self.ops.append(op)
         return out
+
+    def tally(self) -> tuple[Counter[str], Counter[str], Counter[str]]:
+        """Sites, rounded elements and logged entries per op, over the sites rounded so far."""
+        sites: Counter[str] = Counter()
+        elements: Counter[str] = Counter()
+        entries: Counter[str] = Counter()
+        for op, site in zip(self.ops, self.sites, strict=True):
+            sites[op] += 1
+            elements[op] += site.numel
+            entries[op] += site.indices.size + site.value_indices.size
+        return sites, elements, entries
 
 
 @dataclass
@@ -127,8 +133,7 @@ def check_program(ref: str, config: dict, preset: str | None, *, micro_batches: 
         report.refused = str(err)
     except OvtError as err:  # a replay that rejects the log, a state that does not fit: a fault
         report.failed = str(err)
-    sites, elements, entries = (recorder.per_op_sites, recorder.per_op_elements,
-                                recorder.per_op_entries)
+    sites, elements, entries = recorder.tally()
     report.ops = [{"op": op, "sites": sites[op], "elements": elements[op],
                    "entries": entries[op]} for op in sorted(sites, key=lambda o: -elements[o])]
     report.sites, report.elements, report.entries = (

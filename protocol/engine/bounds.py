@@ -300,11 +300,13 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     k = _sum_count(args, kwargs, ys[0])
     s = func(_abs(x), *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
+    if not isinstance(bound, Affine):
+        return [bound]
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
     reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
     smallest = _smallest_terms(ctx, x, reduced, keepdim)
-    if not isinstance(bound, Affine) or smallest is None:
+    if smallest is None:
         return [bound]
     return [_exact_where(ctx, k, s, smallest, bound)]
 
@@ -315,14 +317,16 @@ def _smallest_terms(ctx, x: torch.Tensor, reduced: list[int], keepdim: bool
     every term is zero). None where `x` is empty or holds other than target values (every
     input of a step's sites holds target values, SPEC §3.2: checked, since the exactness
     argument rests on it; a NaN fails it too). One fused pass (`fused`) where `reduced` is a
-    run of dimensions of a contiguous float64 `x`, else torch ops."""
+    run of dimensions of a contiguous float64 `x`, else torch ops; an integer or boolean `x`
+    (a count summed into the target dtype) is widened first."""
     if not x.numel():
         return None
+    if not x.is_floating_point():
+        x = x.to(ctx.policy.compute)
     first = min(reduced, default=0)
     last = max(reduced, default=-1)
-    if fused.serves(x) and ctx.policy.compute == torch.float64 and \
-            ctx.policy.target == torch.float32 and x.is_contiguous() and \
-            sorted(reduced) == list(range(first, last + 1)):
+    if fused.serves(x) and x.dtype == torch.float64 and ctx.policy.target == torch.float32 \
+            and x.is_contiguous() and sorted(reduced) == list(range(first, last + 1)):
         shape = x.shape
         smallest, representable = torch.ops.ovt.sum_terms(
             x, math.prod(shape[:first]), math.prod(shape[first:last + 1]),
@@ -378,6 +382,11 @@ def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: Af
     float64 sum exactly, often onto a target midpoint, which the reduction rule would log
     although no machine can round it otherwise. `Σ|x|` is the computed `S` times (1 + 2γ_K),
     which covers S's own rounding.
+
+    The decision is the same on every machine although `S` is a computed sum: where the true
+    `Σ|x| < 2^p · m`, the partial sums of the magnitudes are exact too, so every machine's `S`
+    is that exact `Σ|x|`; elsewhere every machine's `S·(1 + 2γ_K) >= Σ|x|·(1 − γ_K)(1 + 2γ_K)
+    >= Σ|x|`, and none says exact.
     """
     finite = torch.isfinite(smallest)
     m = target_ulp(torch.where(finite, smallest, 0.0).to(ctx.policy.target), ctx.policy)

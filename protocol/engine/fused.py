@@ -11,17 +11,31 @@ installed) ovt says so once, loudly, and uses the torch ops. The environment var
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import warnings
+from pathlib import Path
 
 import torch
 
-try:
-    importlib.import_module("protocol.engine._fused")  # loading it registers torch.ops.ovt
-    MISSING: str | None = None
-except ImportError as exc:  # not built: no compiler, or an install that skipped it
-    MISSING = str(exc)
+_SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+
+
+def _load() -> str | None:
+    """Load the library; None, or why it cannot be used."""
+    try:  # loading it registers torch.ops.ovt
+        library = importlib.import_module("protocol.engine._fused")
+    except (ImportError, OSError, RuntimeError) as exc:  # not built, or not loadable here
+        return str(exc)
+    if _SOURCE.exists() and getattr(library, "SOURCE", None) != \
+            hashlib.sha256(_SOURCE.read_bytes()).hexdigest():
+        return f"the library was built from another version of {_SOURCE.name}"
+    return None
+
+
+MISSING: str | None = _load()
+if MISSING is not None:
     warnings.warn(f"ovt: the fused passes are not built ({MISSING}); using torch ops instead: "
                   f"the same bits, but record steps are slower. Reinstall with a C++ compiler "
                   f"present (pip install -e .) to build them.", RuntimeWarning, stacklevel=1)

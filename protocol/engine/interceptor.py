@@ -288,7 +288,8 @@ class RoundingMode(TorchDispatchMode):
     def _round_results(self, func, rule: Rule | None, inputs: tuple[tuple, dict], out,
                        writes: list, keep_compute: bool = False):
         """Round one site: the op's floating outputs, then the arguments it wrote, with the
-        bounds of `rule` computed from `inputs` (None: a correctly rounded conversion, e = 0).
+        bounds of `rule` computed from `inputs` (None: e = 0, for a correctly rounded
+        conversion, or for a rounder that reads no bounds here, `_bounds_needed`).
         `keep_compute`: the op had no target-dtype input, so its outputs go back in the compute
         dtype (rounded all the same: exact target values, widened)."""
         if not writes and isinstance(out, torch.Tensor) and out.dtype == self.policy.compute:

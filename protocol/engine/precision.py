@@ -130,7 +130,7 @@ def band_candidates(flat: torch.Tensor, bound: torch.Tensor, policy: PrecisionPo
     scale = torch.bitwise_and(bits, fmt["exp_mask"]).view(flat.dtype)  # 2**E; 0 for 0/subnormal
     far = (low - (1 << (shift - 1))).abs().to(flat.dtype) * scale
     # far * 2**-p / 2 <= 2e, for a finite y. The comparisons are negated (as in the fused
-    # pass, csrc/band.cpp, where that keeps them branch-free) so that a NaN bound is in the band.
+    # pass, csrc/fused.cpp, where that keeps them branch-free) so that a NaN bound is in the band.
     magnitude = torch.bitwise_and(bits, fmt["abs_mask"])
     mask = ~(far > bound * 2.0 ** (fmt["compute_mantissa"] + 2)) & (magnitude < fmt["exp_mask"])
     # Below the target's smallest normal the ULP differs: every such value is a candidate,

@@ -37,7 +37,6 @@ from protocol.errors import LogMismatchError, LogViolationError
 
 _EMPTY_INDEX = np.zeros(0, dtype=np.int64)
 _EMPTY_UP = np.zeros(0, dtype=bool)
-_EMPTY_VALUES = np.zeros(0, dtype=np.uint32)
 
 # An in-band element with WIDE * e >= its target ULP gets a value entry (module docstring).
 WIDE = 16
@@ -93,14 +92,15 @@ class SiteRecorder:
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
-        out, offset, site = [], 0, len(self._numels)
+        out, found, offset, site = [], [], 0, len(self._numels)
         for y, b in zip(ys, bounds, strict=True):
             flat = y.reshape(-1)
             r, cand, ev = round_band(flat, y, b, self.policy)
             if cand is not None and ev is not None:
-                self._candidates.append((site, cand + offset, flat[cand], r[cand], ev))
+                found.append((site, cand + offset, flat[cand], r[cand], ev))
             out.append(_shaped(r, y))
             offset += y.numel()
+        self._candidates.extend(found)  # (only once the whole site has been rounded)
         self._numels.append(offset)
         return out
 
@@ -121,10 +121,14 @@ class SiteRecorder:
         first = len(self._sites)
         groups: dict[int, tuple[np.ndarray, ...]] = {}
         if pending:
+            # on the CPU: a step's sites may live on several devices (a CPU-made schedule in a
+            # CUDA step); the candidates are few, and these ops are exact on any device
             site = torch.cat([torch.full((c[1].numel(),), c[0], dtype=torch.int64)
                               for c in pending])
-            pos, yv = torch.cat([c[1] for c in pending]), torch.cat([c[2] for c in pending])
-            rv, ev = torch.cat([c[3] for c in pending]), torch.cat([c[4] for c in pending])
+            pos = torch.cat([c[1].cpu() for c in pending])
+            yv = torch.cat([c[2].cpu() for c in pending])
+            rv = torch.cat([c[3].cpu() for c in pending])
+            ev = torch.cat([c[4].cpu() for c in pending])
             keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
             keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
             keep_np = keep.cpu().numpy()

@@ -5,7 +5,7 @@
 //   float32 roundings and the flat indices that may lie in the band, with each element's bound
 //   e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
-// - sum_terms, what the exact-sum rule (bounds.py `_sum`) needs of a sum's terms.
+// - sum_terms, what the exact-sum rule (bounds.py `_smallest_terms`) needs of a sum's terms.
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
 // never one fused multiply-add.
@@ -22,6 +22,20 @@
 #include <cstdlib>
 #include <tuple>
 #include <vector>
+
+// The vectorised loops are compiled twice on x86-64, for AVX2 and for the baseline, and the
+// loader picks one by the CPU (identical bits: IEEE operations only, no FMA contraction).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define OVT_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define OVT_CLONES
+#endif
+
+// The sha256 of this file, given by setup.py: fused.py refuses a library built from another
+// version of it (an editable install whose rebuild failed keeps the old library).
+#ifndef OVT_FUSED_SOURCE
+#define OVT_FUSED_SOURCE "unknown"
+#endif
 
 namespace {
 
@@ -111,7 +125,7 @@ __attribute__((always_inline)) inline void scan_range(const double* y, float* r,
 }
 
 // One chunk [begin, end) of a site, in the mode of `s`; compiled for AVX2 too, chosen at load.
-__attribute__((target_clones("avx2", "default")))
+OVT_CLONES
 void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
           std::vector<int64_t>& out) {
   const double scale = s.scale, floor = s.floor;
@@ -134,14 +148,18 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
     if (s.mode == kRows) {
       scan_range(y, r, i, stop, scale, floor, [m](int64_t, double) { return m; }, out);
     } else {
-      const double* col = s.col + (row / s.rows) * s.inner - start;  // col[idx] for idx in row
+      const double* col = s.col + (row / s.rows) * s.inner;  // this batch's column factors
       if (s.add == nullptr) {
         scan_range(y, r, i, stop, scale, floor,
-                   [m, col](int64_t idx, double) { return m * col[idx]; }, out);
+                   [m, col, start](int64_t idx, double) { return m * col[idx - start]; }, out);
       } else {
-        const double* add = s.add_per_column ? s.add - start : s.add;
+        const double* add = s.add;
+        const int64_t shift = s.add_per_column ? start : 0;  // add[j] or add[idx]
         scan_range(y, r, i, stop, scale, floor,
-                   [m, col, add](int64_t idx, double) { return m * col[idx] + add[idx]; }, out);
+                   [m, col, start, add, shift](int64_t idx, double) {
+                     return m * col[idx - start] + add[idx - shift];
+                   },
+                   out);
       }
     }
     i = stop;
@@ -152,7 +170,7 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
 
 // Columns [i0, i1) of one (reduced, inner) block of `sum_terms`: writes each column's smallest
 // nonzero magnitude (as bits) to m and returns whether every element read is a float32 value.
-__attribute__((target_clones("avx2", "default")))
+OVT_CLONES
 int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inner, int64_t i0,
                        int64_t i1) {
   int64_t ok = 1;
@@ -172,7 +190,7 @@ int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inn
 
 // Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
 // into m, and whether every element read is a float32 value.
-__attribute__((target_clones("avx2", "default")))
+OVT_CLONES
 int64_t smallest_in_rows(const double* x, int64_t* m, int64_t reduced, int64_t o0, int64_t o1) {
   int64_t ok = 1;
   for (int64_t o = o0; o < o1; ++o) {
@@ -268,8 +286,9 @@ std::tuple<at::Tensor, bool> sum_terms(const at::Tensor& x, int64_t outer, int64
     });
     return {smallest, std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; })};
   }
-  const int64_t width = std::max<int64_t>(1, std::min<int64_t>(inner, kGrain / std::max<int64_t>(
-                                                                          reduced, 1)));
+  // at least a few cache lines of adjacent columns per work item, even for a long reduction
+  const int64_t width = std::min<int64_t>(
+      inner, std::max<int64_t>(16, kGrain / std::max<int64_t>(reduced, 1)));
   const int64_t blocks = inner == 0 ? 0 : (inner + width - 1) / width;
   std::vector<int64_t> exact(static_cast<size_t>(outer * blocks), 1);
   at::parallel_for(0, outer * blocks, 1, [&](int64_t first, int64_t last) {
@@ -301,4 +320,11 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
 // registers torch.ops.ovt.round_band.
 static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, nullptr};
 
-PyMODINIT_FUNC PyInit__fused(void) { return PyModule_Create(&fused_module); }
+PyMODINIT_FUNC PyInit__fused(void) {
+  PyObject* module = PyModule_Create(&fused_module);
+  if (module != nullptr && PyModule_AddStringConstant(module, "SOURCE", OVT_FUSED_SOURCE) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

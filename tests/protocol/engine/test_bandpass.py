@@ -1,4 +1,4 @@
-"""The fused band pass (csrc/band.cpp) against the torch-ops path, bit for bit (issue 13).
+"""The fused passes (csrc/fused.cpp) against the torch-ops path, bit for bit (issue 13).
 
 Each site is built to be hard: values on and next to rounding boundaries, exact zeros,
 target-subnormal and compute-subnormal values, NaN, ±inf, values that overflow the target,
@@ -220,9 +220,9 @@ def test_the_fused_pass_is_refused_gracefully_for_other_policies(monkeypatch):
 @needs_fused
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_fused_sum_terms_are_the_torch_ones(seed, monkeypatch):
-    """`bounds._smallest_terms` both ways, over every run of dimensions (and a 0-d sum):
-    terms of many magnitudes, with zeros, -0, subnormals; then one non-float32 term, one NaN
-    and one inf in turn, each of which must (or, for inf, need not) refuse the exact rule."""
+    """`bounds._smallest_terms` both ways, over every run of dimensions (and a 0-d sum): terms
+    of many magnitudes, with zeros, -0, subnormals; then one non-float32 term, one NaN and one
+    inf in turn, each of which must (or, for inf, need not) refuse the exact rule."""
     from protocol.engine.bounds import BoundContext, _smallest_terms
     ctx = BoundContext(POLICY)
     rng = np.random.default_rng(seed)

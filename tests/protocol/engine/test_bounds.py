@@ -387,6 +387,40 @@ def test_sum_below_the_exactness_limit_is_exact_in_every_order(k):
     assert max(ratios) > 0.99  # the inputs reach the limit, not far below it
 
 
+def test_the_exactness_decision_is_the_same_in_every_order():
+    """The decision reads a computed Σ|x|, which may depend on the order, yet no two orders
+    may decide differently (a trainer would log what the auditor's e' = 0 forbids): just
+    under the limit every order computes the same, exact Σ|x|, and all say exact; over it
+    none does."""
+    rng = np.random.default_rng(5)
+    for ratio, exact in ((0.9999, True), (1.0001, False), (1.5, False)):
+        decisions, totals = set(), set()
+        for seed in range(10):
+            x = _at_the_exactness_limit(ratio, 255, seed, signs=False)
+            for _ in range(20):
+                X = t64(rng.permutation(x))
+                [e] = bounds(aten.sum.default, (X,), {}, [aten.sum.default(X)])
+                decisions.add(float(e) == 0.0)
+                totals.add((seed, float(aten.sum.default(X.abs()))))
+        assert decisions == {exact}
+        if exact:
+            assert len(totals) == 10  # one Σ|x| per set of terms, whatever the order
+
+
+def test_a_count_summed_into_the_target_dtype_is_a_site():
+    """sum(dtype=float32) of booleans or integers (a count) reads no float: its exact-sum terms
+    are widened, not refused (a regression: the rule called abs() on a bool tensor)."""
+    from protocol.engine.interceptor import RoundingMode
+    from protocol.engine.rounding import SiteRecorder
+    flags = torch.arange(10) > 3
+    counts = torch.arange(12).reshape(3, 4)
+    policy = PrecisionPolicy()
+    with RoundingMode(policy, SiteRecorder(policy)):
+        total = flags.sum(dtype=torch.float32)
+        per_row = counts.sum(1, dtype=torch.float32)
+    assert float(total) == 6.0 and per_row.tolist() == [6.0, 22.0, 38.0]
+
+
 def test_sum_beyond_the_exactness_limit_keeps_its_band():
     """Σ|x| over 2**53 · m (all positive, so partial sums do grow past it): the rule gives
     e > 0, and some order is indeed inexact."""

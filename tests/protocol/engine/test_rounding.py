@@ -704,3 +704,18 @@ def test_honest_log_replays_bit_exactly_against_the_adversary(policy, trainer, a
     # and the replayer's own RNE would have differed: the log did the work
     assert not all(torch.equal(bits(a), bits(b.to(policy.target)))
                    for a, b in zip(recorded, theirs, strict=True))
+
+
+def test_a_site_that_fails_midway_leaves_no_entries_behind():
+    """A site whose second tensor cannot be rounded raises; the candidates of its first tensor
+    must not be credited to the next site (which has e = 0 and may hold no entry)."""
+    from protocol.engine.bounds import Affine
+    rec = SiteRecorder(F64_F32)
+    near = torch.tensor([1.0 + 2.0**-24, 3.0], dtype=torch.float64)  # a float32 midpoint first
+    bad = Affine(1e-12, 0.0, torch.ones(2, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError):
+        rec.round_site("a", [near, torch.zeros(2, 3, dtype=torch.float64)], [1e-9, bad])
+    rec.round_site("b", [near.clone()], [None])
+    (site,) = rec.log().sites
+    assert site.numel == 2 and site.indices.size == 0 and site.value_indices.size == 0
+
