@@ -65,6 +65,16 @@ def _job(init_seed: int) -> tuple[JobSpec, dict]:
                      commit_interval=2)
 
 
+def _queued(daemon, init_seed: int) -> JobSpec:
+    """A job submitted to a trainer daemon whose runner is not started: it stays queued."""
+    queued, state0 = _job(init_seed=init_seed)
+    with grpc.insecure_channel(daemon.address) as channel:
+        ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
+            spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
+            timeout=BOUND_S)
+    return queued
+
+
 @dataclass(frozen=True)
 class Finished:
     spec: JobSpec
@@ -294,11 +304,7 @@ def test_16_stalled_streams_leave_get_leaf_answering(daemons, stalled):
     open, took every worker thread of the trainer, and GetLeaf timed out. From one peer, only
     its share of the stream slots is taken."""
     daemon = daemons("trainer", start_runner=False)
-    queued, state0 = _job(init_seed=2)
-    with grpc.insecure_channel(daemon.address) as channel:
-        ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
-            spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
-            timeout=BOUND_S)
+    queued = _queued(daemon, init_seed=2)
     streams = stalled(daemon)
     watches = [streams.watch(queued.job_id) for _ in range(CLIENTS // 2)]
     submits = [streams.submit_spec_only(queued.to_bytes()) for _ in range(CLIENTS // 2)]
@@ -313,11 +319,7 @@ def test_8_watches_from_one_peer_leave_another_peers_watch_and_get_leaf_answerin
     """Finding 5's per-peer limit: 8 `ovt-trainer status --watch` from one client took every
     stream slot of the trainer, so no other peer could open a stream."""
     daemon = daemons("trainer", start_runner=False)
-    queued, state0 = _job(init_seed=4)
-    with grpc.insecure_channel(daemon.address) as channel:
-        ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
-            spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
-            timeout=BOUND_S)
+    queued = _queued(daemon, init_seed=4)
     streams = stalled(daemon)
     outcomes = _first_reports([streams.watch(queued.job_id) for _ in range(DEFAULT_MAX_STREAMS)])
     assert outcomes == {"open": DEFAULT_MAX_STREAMS_PER_PEER, "RESOURCE_EXHAUSTED":
@@ -453,13 +455,11 @@ def test_unread_streams_of_every_streaming_rpc_from_two_peers_leave_get_leaf_ans
     calls left unread from each of two peers. A queued job (a queued audit) keeps Watch
     (WatchAudit) open: the daemon serves without training or auditing."""
     daemon = daemons(kind, start_runner=False)
-    queued, state0 = _job(init_seed=5)
-    with grpc.insecure_channel(daemon.address) as channel:
-        if kind == "trainer":
-            ovt_pb2_grpc.TrainerStub(channel).Submit(ovt_pb2.SubmitRequest(
-                spec=queued.to_bytes(), initial_state=safetensors.torch.save(state0)),
-                timeout=BOUND_S)
-        else:
+    if kind == "trainer":
+        queued = _queued(daemon, init_seed=5)
+    else:
+        queued, _ = _job(init_seed=5)
+        with grpc.insecure_channel(daemon.address) as channel:
             ovt_pb2_grpc.AuditorStub(channel).Audit(ovt_pb2.AuditRequest(
                 job_id=queued.job_id, trainer_address="127.0.0.1:9"), timeout=BOUND_S)
     calls = []
