@@ -31,7 +31,7 @@ _FUSED_PAIR = (torch.float64, torch.float32)
 
 @dataclass(frozen=True)
 class _FlatBound:
-    """A site's bounds over its flat values, as `csrc/fused.cpp` reads them: element i's base is
+    """One result's bound over its flat values, as `csrc/fused.cpp` reads it: element i's base is
     |y_i| (relative), m[i // inner] (rows), or m[i // inner]·col[(i // (rows·inner))·inner +
     i % inner] (+ add[i % inner] or add[i]) (outer); e = base·scale + floor."""
 

@@ -16,7 +16,8 @@ So "half the prefilter distance `≤ 2e`" keeps every element with `δ ≤ 2e` a
 survivors (and every nonzero value below the target's smallest normal, rare, and every zero
 whose bound reaches `PrecisionPolicy.zero_band`) get the exact `δ` of `boundary_distance`.
 
-NaN, ±inf and values that overflow the target are not rounding sites.
+NaN and ±inf are not rounding choices; a finite result near the overflow threshold is: it
+rounds to the largest finite value or to infinity (`_boundaries`).
 
 Example:
     >>> policy = PrecisionPolicy()
@@ -98,6 +99,13 @@ class PrecisionPolicy:
         return 2.0 ** -(self.fmt["compute_mantissa"] + 1)
 
     @property
+    def overflow(self) -> float:
+        """The overflow threshold of the target dtype, its largest value plus half its ULP:
+        round-to-nearest gives infinity from there (2**128 - 2**103 for float32)."""
+        mantissa = self.fmt["target_mantissa"]
+        return float(torch.finfo(self.target).max) + 2.0 ** (126 - mantissa)
+
+    @property
     def zero_band(self) -> float:
         """The bound `e` from which a zero result is in the band: its δ is half the target's
         smallest subnormal, so δ <= 2e where e is at least a quarter of that subnormal."""
@@ -161,8 +169,8 @@ def toward_boundary(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -
 
     Used by the bound adversary (profiles: `adversary`).
     """
-    a, b = y.to(torch.float64).abs(), r.to(torch.float64).abs()
-    above, below = b + _half_gap_up(r, policy), b - _half_gap_down(r, policy)
+    a = y.to(torch.float64).abs()
+    above, below = _boundaries(r, policy)
     nearest = torch.where((above - a).abs() <= (a - below).abs(), above, below)
     sign = torch.where(torch.signbit(r), -1.0, 1.0)  # the sign of y: RNE keeps it, even at 0
     return torch.where(nearest >= a, sign, -sign).to(y.dtype)
@@ -177,12 +185,25 @@ def _half_gap_down(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     return torch.where(_power_of_two(r, policy), ulp * 0.25, ulp * 0.5)
 
 
+def _boundaries(r: torch.Tensor, policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """The magnitudes of the rounding boundaries above |r| and below it (float64, exact).
+
+    Below a zero `r` the "boundary" is the negative one's mirror, never the nearest. Above the
+    largest finite target value the boundary is the overflow threshold, `max + ULP/2`: RNE
+    gives infinity from there (IEEE-754 §4.3.1), so an infinite `r` has it below and none above;
+    a result near it is a rounding choice like any other (finite largest value or infinity).
+    """
+    b = r.to(torch.float64).abs()
+    above, below = b + _half_gap_up(r, policy), b - _half_gap_down(r, policy)
+    return above, torch.where(torch.isinf(r), policy.overflow, below)
+
+
 def _boundary_gaps(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """|y|'s distances to the boundary above |r| and to the one below it (float64, exact).
-    Below a zero `r` the "boundary" is the negative one's mirror, never the nearest."""
-    a, b = y.to(torch.float64).abs(), r.to(torch.float64).abs()
-    return ((b + _half_gap_up(r, policy)) - a).abs(), (a - (b - _half_gap_down(r, policy))).abs()
+    """|y|'s distances to the boundary above |r| and to the one below it (float64, exact)."""
+    a = y.to(torch.float64).abs()
+    above, below = _boundaries(r, policy)
+    return (above - a).abs(), (a - below).abs()
 
 
 def _magnitude_bits(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:

@@ -129,14 +129,13 @@ class SiteRecorder:
             yv = torch.cat([c[2].cpu() for c in pending])
             rv = torch.cat([c[3].cpu() for c in pending])
             ev = torch.cat([c[4].cpu() for c in pending])
-            keep = torch.isfinite(rv) & torch.isfinite(yv)  # NaN, inf and overflow: no choice
-            keep &= boundary_distance(yv, rv, self.policy) <= 2 * ev
-            keep_np = keep.cpu().numpy()
-            site_np, pos, yv, rv, ev = site.numpy()[keep_np], pos[keep], yv[keep], rv[keep], \
-                ev[keep]
-            wide = (WIDE * ev >= target_ulp(rv, self.policy)).cpu().numpy()
-            pos_np = pos.cpu().numpy()
-            up = rounded_up(yv, rv).cpu().numpy()
+            # a NaN or infinite result is no choice; one near the overflow threshold is
+            keep = torch.isfinite(yv) & (boundary_distance(yv, rv, self.policy) <= 2 * ev)
+            site_np = site.numpy()[keep.numpy()]
+            pos, yv, rv, ev = pos[keep], yv[keep], rv[keep], ev[keep]
+            wide = (WIDE * ev >= target_ulp(rv, self.policy)).numpy()
+            pos_np = pos.numpy()
+            up = rounded_up(yv, rv).numpy()
             values = _value_bits(rv, self.policy)
             # the candidates came in site order, each site's in increasing position
             bounds = np.searchsorted(site_np, np.arange(first, len(self._numels) + 1))
@@ -226,7 +225,7 @@ class SiteReplayer:
         yv, rv = flat[idx], r[idx]
         d = boundary_distance(yv, rv, self.policy)
         ev = bounds_at(flat, y, bound, idx)
-        valid = (ev > 0) & (d <= 4 * ev) & torch.isfinite(yv) & torch.isfinite(rv)
+        valid = (ev > 0) & (d <= 4 * ev) & torch.isfinite(yv)  # (rv: ±inf past the overflow)
         bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
@@ -242,8 +241,10 @@ class SiteReplayer:
 
         An honest value entry is the trainer's nearest-even rounding `v` of a result within `2e`
         of this one, at an in-band (`δ ≤ 2e`) and wide (`16e ≥ ulp(v)`) element; so here
-        `δ' ≤ 4e'`, `32e' ≥ ulp(v)` and `|v − y'| ≤ ulp(v)/2 + 4e'` (margins of 2 on e'). A
-        value entry failing any of these, or where the bound is 0, is a violation."""
+        `δ' ≤ 4e'`, `32e' ≥ ulp(v)` and `|v − y'| ≤ ulp(v)/2 + 4e'` (margins of 2 on e'); an
+        infinite `v` (the trainer's result overflowed) needs `y'` of its sign within `4e'` of
+        the overflow threshold instead. A value entry failing any of these, or where the bound
+        is 0, is a violation."""
         mine = self._within(site.value_indices, offset, flat.numel())
         if not mine.size:
             return
@@ -261,8 +262,12 @@ class SiteReplayer:
         ev = bounds_at(flat, y, bound, idx)
         ulp = target_ulp(v, self.policy)
         in_band = boundary_distance(yv, yv.to(self.policy.target), self.policy) <= 4 * ev
-        valid = (ev > 0) & in_band & (2 * WIDE * ev >= ulp) & (distance <= ulp / 2 + 4 * ev) \
-            & torch.isfinite(v) & torch.isfinite(yv)
+        near = torch.where(torch.isinf(v),
+                           (yv.abs() + 4 * ev >= self.policy.overflow)
+                           & (torch.signbit(v) == torch.signbit(yv)),
+                           distance <= ulp / 2 + 4 * ev)
+        valid = (ev > 0) & in_band & (2 * WIDE * ev >= ulp) & near & ~torch.isnan(v) \
+            & torch.isfinite(yv)
         bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
@@ -300,7 +305,7 @@ class BoundAdversary:
                 continue
             r = y.to(self.policy.target)
             shift = toward_boundary(y, r, self.policy) * (e / SAFETY)
-            pushed = torch.where(torch.isfinite(y) & torch.isfinite(r), y + shift, y)
+            pushed = torch.where(torch.isfinite(y), y + shift, y)  # (to or past the overflow)
             moved.append(pushed if y.is_contiguous() else
                          torch.empty_like(y).copy_(pushed))
         return self.inner.round_site(op, moved, bounds)

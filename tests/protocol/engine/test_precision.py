@@ -451,9 +451,10 @@ def test_non_finite_values_are_no_candidates(policy):
 
 
 def test_recorder_logs_exactly_the_reference_band(case):
-    """End to end through SiteRecorder: the logged elements are {e > 0, δ <= 2e}, non-finite and
-    overflowing ones excluded; a value entry exactly where WIDE·e >= the target ULP, holding
-    the RNE bits; a direction entry elsewhere, up iff |RNE| > |y|."""
+    """End to end through SiteRecorder: the logged elements are {e > 0, δ <= 2e}, non-finite
+    ones excluded and an overflowing one too where its bound does not reach back to the
+    overflow threshold; a value entry exactly where WIDE·e >= the target ULP, holding the RNE
+    bits; a direction entry elsewhere, up iff |RNE| > |y|."""
     policy, y, r, refs = case
     rng = np.random.default_rng(5)
     e = random_bounds(rng, y.numpy(), policy)
@@ -462,8 +463,9 @@ def test_recorder_logs_exactly_the_reference_band(case):
     extra_y = torch.tensor([math.nan, math.inf, -math.inf,
                             float(torch.finfo(policy.target).max) * 4], dtype=policy.compute)
     flat = torch.cat([y, extra_y])
-    bound = torch.cat([torch.from_numpy(e), torch.full((4,), 1e300 if policy is F64_F32
-                                                       else 1e30, dtype=policy.compute)])
+    huge = 1e300 if policy is F64_F32 else 1e30
+    bound = torch.cat([torch.from_numpy(e), torch.tensor(
+        [huge, huge, huge, float(torch.finfo(policy.target).max)], dtype=policy.compute)])
     rec = SiteRecorder(policy)
     (rounded,) = rec.round_site("aten.exp.default", [flat], [bound])
     assert torch.equal(rounded[: y.numel()].view(policy.fmt["target_int"]),

@@ -462,13 +462,16 @@ def test_value_entry_whose_bits_do_not_fit_the_target_is_a_violation():
     assert info.value.index == 1
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_value_entry_holding_a_non_finite_value_is_a_violation(value):
+@pytest.mark.parametrize("value, bound", [(float("nan"), 1e38), (-float("inf"), 1e38),
+                                          (float("inf"), 1e36)])
+def test_value_entry_holding_a_non_finite_value_is_a_violation(value, bound):
+    """NaN is never a choice; infinity is one only of the result's sign and where the bound
+    reaches the overflow threshold (3e38 + 4·1e36 does not)."""
     y = torch.tensor([3.0e38, 1.0], dtype=torch.float64)
     log = RoundingLog((site_log(2, value_indices=[0],
                                 values=value_bits(torch.tensor([value]))),))
     with pytest.raises(LogViolationError):
-        SiteReplayer(F64_F32, log).round_site("op", [y], [1e38])
+        SiteReplayer(F64_F32, log).round_site("op", [y], [bound])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -719,3 +722,63 @@ def test_a_site_that_fails_midway_leaves_no_entries_behind():
     (site,) = rec.log().sites
     assert site.numel == 2 and site.indices.size == 0 and site.value_indices.size == 0
 
+
+
+# -- the overflow threshold is a rounding boundary -----------------------------------------------
+
+OVERFLOW = F64_F32.overflow  # 2**128 - 2**103: float32's largest value plus half its ULP
+
+
+def _at_overflow(offsets: list[float]) -> torch.Tensor:
+    return torch.tensor([OVERFLOW + o for o in offsets], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_result_at_the_overflow_threshold_replays_either_way(sign):
+    """Just below the threshold RNE gives the largest float32, just above it infinity: two
+    honest machines within e of each other may land either side. The trainer logs the choice,
+    and a replay from the other side gets the trainer's value, with no violation."""
+    e = 2.0**90
+    below, above = sign * _at_overflow([-2.0**88]), sign * _at_overflow([2.0**88])
+    for mine, theirs in ((below, above), (above, below)):
+        rec = SiteRecorder(F64_F32)
+        (r,) = rec.round_site("aten.mul.Tensor", [mine], [e])
+        (site,) = rec.log().sites
+        assert site.indices.tolist() == [0]
+        (replayed,) = SiteReplayer(F64_F32, rec.log()).round_site("aten.mul.Tensor", [theirs], [e])
+        assert torch.equal(bits(replayed), bits(r))
+    assert torch.isinf(SiteRecorder(F64_F32).round_site("op", [above], [e])[0]).all()
+
+
+def test_the_adversary_pushes_across_the_overflow_threshold_and_replay_holds():
+    """The bound adversary moves results across the threshold from both sides (infinity to the
+    largest value, and back); replays against it stay bit-exact."""
+    e = 2.0**90
+    y = _at_overflow([-2.0**86, 2.0**86, -2.0**92, 2.0**92])
+    rec = SiteRecorder(F64_F32)
+    (r,) = rec.round_site("op", [y.clone()], [e])
+    adversary = BoundAdversary(SiteReplayer(F64_F32, rec.log()), F64_F32)
+    (replayed,) = adversary.round_site("op", [y.clone()], [e])
+    assert torch.equal(bits(replayed), bits(r))
+    pushed = BoundAdversary(SiteRecorder(F64_F32), F64_F32)
+    (moved,) = pushed.round_site("op", [y.clone()], [e])
+    assert not torch.equal(bits(moved[:2]), bits(r[:2]))  # it did cross the threshold
+
+
+def test_a_wide_element_at_the_overflow_threshold_logs_infinity_as_its_value():
+    e = 2.0**102  # 16e >= the ULP of the largest float32 (2**104): a value entry
+    rec = SiteRecorder(F64_F32)
+    (r,) = rec.round_site("op", [_at_overflow([2.0**100])], [e])
+    (site,) = rec.log().sites
+    assert site.value_indices.tolist() == [0] and torch.isinf(r).all()
+    (replayed,) = SiteReplayer(F64_F32, rec.log()).round_site("op", [_at_overflow([-2.0**100])],
+                                                                [e])
+    assert torch.isinf(replayed).all() and replayed[0] > 0
+
+
+def test_an_invented_infinity_far_from_the_threshold_is_a_violation():
+    inf_bits = int(torch.tensor(float("inf")).view(torch.int32))
+    log = RoundingLog((site_log(1, value_indices=[0], values=[inf_bits]),))
+    with pytest.raises(LogViolationError):
+        SiteReplayer(F64_F32, log).round_site("op", [torch.tensor([1.0e30], dtype=torch.float64)],
+                                              [2.0**102])
