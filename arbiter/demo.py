@@ -33,6 +33,7 @@ from proto.submit import submit_job
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.dispute.verdict import summary, verify_verdict
+from protocol.engine.dataparallel import require_world
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError
 from protocol.files import atomic_write
@@ -63,6 +64,10 @@ def add_demo_command(sub) -> None:
                       help="both trainers' hardware profile (default: %(default)s)")
     demo.add_argument("--auditor-profile", default="emulated-gpu",
                       help="the auditors' hardware profile (default: %(default)s)")
+    demo.add_argument("--trainer-workers", type=int, default=1, metavar="W",
+                      help="processes each trainer computes a step's micro-batches on "
+                           "(`ovt-trainer serve --train-workers`; the job needs at least W "
+                           "micro_batches; default: %(default)s)")
     demo.add_argument("--workdir", type=Path, default=None,
                       help="keep keys, stores, logs and the verdict here (default: a temporary "
                            "directory, removed at the end)")
@@ -92,17 +97,21 @@ def _story(args, work: Path) -> int:
     spec, state0 = create_job(args.job_file)
     if not 1 <= fault_step <= spec.steps:
         raise ConfigError(f"--fault step {fault_step} is outside the job's 1..{spec.steps}")
+    require_world(args.trainer_workers, spec.micro_batches, "--trainer-workers")
+    workers = ("--train-workers", args.trainer_workers)
     job_id = spec.job_id
-    _say(f"job {job_id.hex()[:16]}…: {spec.program}, {spec.steps} steps; the cheating trainer "
-         f"injects {args.fault}")
+    _say(f"job {job_id.hex()[:16]}…: {spec.program}, {spec.steps} steps"
+         + (f", trainers on {args.trainer_workers} processes" if args.trainer_workers > 1 else "")
+         + f"; the cheating trainer injects {args.fault}")
     for role in ("trainer", "cheater", "auditor"):
         KeyPair.generate().save(work / f"{role}.key", overwrite=True)
     with _Daemons(work) as daemons:
         honest = daemons.start("honest-trainer", "trainer_node.cli", "--key",
-                               work / "trainer.key", "--profile", args.trainer_profile)
+                               work / "trainer.key", "--profile", args.trainer_profile,
+                               *workers)
         cheater = daemons.start("cheating-trainer", "trainer_node.cli", "--key",
                                 work / "cheater.key", "--profile", args.trainer_profile,
-                                "--inject-fault", args.fault)
+                                "--inject-fault", args.fault, *workers)
         audit_h = daemons.start("auditor-of-honest", "auditor_node.cli", "--key",
                                 work / "auditor.key", "--profile", args.auditor_profile)
         audit_c = daemons.start("auditor-of-cheater", "auditor_node.cli", "--key",

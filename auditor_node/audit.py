@@ -7,13 +7,21 @@ after the auditor's own crash: replayed steps come from its store, and the train
 has already verified from `<store>/<job id>/trainer-leaves.ovt` (see `leafcache`). On a
 mismatch it writes the challenge (see `challenge`) to `<store>/<job id>/challenge.ovt`.
 
+With `processes` > 1 the replay is cut at the trainer's checkpoints and the intervals replay in
+that many worker processes (`protocol.job.intervals`), giving the same leaves and signed root.
+With `sample` = F it replays only a fraction F of the intervals, drawn where the trainer cannot
+foresee (`protocol.job.sampling`): finding nothing, the record is "sampled" — sampled, not
+verified — and the auditor signs nothing; a divergent sampled interval is replayed up to in
+full, signed and challenged exactly as a full audit's.
+
     record = run_audit("127.0.0.1:50051", job_id, Path("auditor-store"), KeyPair.load(path),
                        Profile.parse("emulated-gpu"))
-    record.state  # "matched" or "diverged"; a failure raises an OvtError (PeerError, ...)
+    record.state  # "matched", "diverged" or "sampled"; a failure raises an OvtError
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -35,27 +43,34 @@ from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, OvtError, PeerError
 from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS, locate_data_file, require_model_size
+from protocol.job.intervals import IntervalRunner, replay_in_intervals
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
+from protocol.job.sampling import Sample, require_fraction, sample_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 from .leafcache import CachedClaims
+from .states import RemoteStates
 
 CHALLENGE_FILE = "challenge.ovt"
-MATCHED, DIVERGED, FAILED = "matched", "diverged", "failed"
-VERDICTS = (MATCHED, DIVERGED, FAILED)
+MATCHED, DIVERGED, SAMPLED, FAILED = "matched", "diverged", "sampled", "failed"
+VERDICTS = (MATCHED, DIVERGED, SAMPLED, FAILED)
 _RECORD_FIELDS = ("job_id", "state", "steps", "replayed", "divergent_step", "reason",
                   "trainer_commitment", "auditor_commitment", "challenge", "error")
+_SAMPLE_FIELD = "sample"  # only in the records of sampled audits
 
 
 @dataclass(frozen=True)
 class AuditRecord:
     """The outcome of one audit.
 
-    state: matched | diverged | failed; steps: the job's steps; replayed: the steps the auditor's
-    commitment covers; divergent_step/reason: the first step that differs and why (diverged);
-    trainer_commitment/auditor_commitment: both signed roots (absent when the audit failed before
-    reaching them); challenge: where the challenge was written; error: why it failed.
+    state: matched | diverged | sampled | failed; steps: the job's steps; replayed: the steps
+    the auditor's commitment covers (sampled: the steps its sample replayed);
+    divergent_step/reason: the first step that differs and why (diverged; sampled: the
+    sample's "sampled, not verified" report); trainer_commitment/auditor_commitment: both
+    signed roots (absent when the audit failed before reaching them; a sampled audit that
+    found nothing signs none); challenge: where the challenge was written; error: why it
+    failed; sample: the intervals a sampled audit replayed (None for a full audit).
     """
 
     job_id: bytes
@@ -68,20 +83,25 @@ class AuditRecord:
     auditor_commitment: SignedCommitment | None = None
     challenge: Path | None = None
     error: str | None = None
+    sample: Sample | None = None
 
     @classmethod
     def failed(cls, job_id: bytes, error: str) -> AuditRecord:
         return cls(job_id=job_id, state=FAILED, error=error)
 
     def to_bytes(self) -> bytes:
-        """Canonical bytes (the runner keeps each verdict in the auditor's store)."""
-        return encode({
+        """Canonical bytes (the runner keeps each verdict in the auditor's store). The sample
+        field is present only when set, so a full audit's record is what it always was."""
+        body = {
             "job_id": self.job_id, "state": self.state, "steps": self.steps,
             "replayed": self.replayed, "divergent_step": self.divergent_step,
             "reason": self.reason, "error": self.error,
             "trainer_commitment": _opt_bytes(self.trainer_commitment),
             "auditor_commitment": _opt_bytes(self.auditor_commitment),
-            "challenge": None if self.challenge is None else str(self.challenge)})
+            "challenge": None if self.challenge is None else str(self.challenge)}
+        if self.sample is not None:
+            body[_SAMPLE_FIELD] = self.sample.to_body()
+        return encode(body)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> AuditRecord:
@@ -92,6 +112,10 @@ class AuditRecord:
 
     @classmethod
     def _from_body(cls, body: object) -> AuditRecord:
+        sample = None
+        if isinstance(body, dict) and _SAMPLE_FIELD in body:
+            body = dict(body)
+            sample = Sample.from_body(body.pop(_SAMPLE_FIELD))
         body = require_fields("an audit record", body, _RECORD_FIELDS)
         if body["state"] not in VERDICTS:
             raise EncodingError(f"an audit record's state is one of {', '.join(VERDICTS)}")
@@ -104,7 +128,7 @@ class AuditRecord:
                            ("trainer_commitment", bytes), ("auditor_commitment", bytes)):
             if body[name] is not None and type(body[name]) is not kind:
                 raise EncodingError(f"audit record {name} must be {kind.__name__} or none")
-        return cls(**{**body, "challenge": _opt(body["challenge"], Path),
+        return cls(**{**body, "sample": sample, "challenge": _opt(body["challenge"], Path),
                       "trainer_commitment": _opt(body["trainer_commitment"],
                                                  SignedCommitment.from_bytes),
                       "auditor_commitment": _opt(body["auditor_commitment"],
@@ -125,10 +149,13 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               allowed_programs: Collection[str] = (),
               max_params: int = DEFAULT_MAX_PARAMS,
               deadline_s: float = DEFAULT_DEADLINE_S,
-              hooks: StepHooks | None = None, data_dir: Path | None = None) -> AuditRecord:
+              hooks: StepHooks | None = None, data_dir: Path | None = None,
+              processes: int = 1, sample: float | None = None) -> AuditRecord:
     """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
 
-    Returns a matched or diverged record. Raises ConfigError for a malformed job id or address,
+    Returns a matched, diverged or (with `sample`) sampled record. Raises ConfigError for a
+    malformed job id or address, fewer than one process or a `sample` outside 0 < F <= 1
+    (all checked before the trainer is asked anything),
     PeerError for a trainer that does not answer or answers with anything that does not verify
     (a spec that does not hash to `job_id` included), ConfigError for a job whose program is
     neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
@@ -139,11 +166,18 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     differs from the committed one, StoreError for a damaged store; and whatever `progress`
     raises (the audit then resumes from the store on the next call).
 
-    `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
-    `replay_job`; None audits honestly.
+    `processes` > 1 replays the intervals between the trainer's checkpoints in that many
+    worker processes (`replay_in_intervals`); `sample` = F replays a fraction F of them
+    (`sample_job`). `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`),
+    passed to the replay (to each worker process too); None audits honestly.
     """
     if not isinstance(job_id, bytes) or len(job_id) != 32:
         raise ConfigError("a job id is 32 bytes (64 hex digits)")
+    runner = IntervalRunner(processes, RemoteStates(trainer_address, tls_ca,  # checks P >= 1
+                                                    allow_remote_plaintext, deadline_s),
+                            profile, hooks=hooks, data_dir=data_dir)
+    if sample is not None:
+        require_fraction(sample)
     with make_channel(trainer_address, tls_ca=tls_ca,
                       allow_remote_plaintext=allow_remote_plaintext) as channel:
         spec = fetch_spec(channel, job_id, deadline_s)
@@ -153,12 +187,25 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
         store = JobStore(store_root, spec)
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)
+            sampled = None
             try:
-                outcome = replay_job(store, source, key, profile=profile, progress=progress,
-                                     hooks=hooks, data_dir=data_dir)
+                if sample is not None:
+                    sampled = sample_job(store, source, key, runner, fraction=sample,
+                                         progress=progress)
+                    outcome = sampled.audit
+                elif processes > 1:
+                    outcome = replay_in_intervals(store, source, key, runner, progress=progress)
+                else:
+                    outcome = replay_job(store, source, key, profile=profile,
+                                         progress=progress, hooks=hooks, data_dir=data_dir)
             finally:
                 source.close()
-            return _record(channel, store, outcome, deadline_s)
+            if sampled is None:
+                return _record(channel, store, outcome, deadline_s)
+            if outcome is None:  # no sampled interval diverged
+                return _sampled_record(spec, sampled.trainer_commitment, sampled.sample)
+            return dataclasses.replace(_record(channel, store, outcome, deadline_s),
+                                       sample=sampled.sample)
         finally:
             store.close()
 
@@ -177,6 +224,13 @@ def fetch_spec(channel: grpc.Channel, job_id: bytes, deadline_s: float) -> JobSp
         return JobSpec.from_bytes(reply.spec)
     except EncodingError as err:
         raise PeerError(f"the trainer's spec does not decode: {err}") from None
+
+
+def _sampled_record(spec: JobSpec, trainer: SignedCommitment, sample: Sample) -> AuditRecord:
+    """A sampled audit that found nothing: no commitment of the auditor's, no challenge."""
+    return AuditRecord(job_id=spec.job_id, state=SAMPLED, steps=spec.steps,
+                       replayed=sample.replayed_steps, reason=sample.describe(),
+                       trainer_commitment=trainer, sample=sample)
 
 
 def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,

@@ -1,13 +1,21 @@
 """`ovt-auditor`: the auditor daemon and one-off audits.
 
     ovt-auditor serve --listen 127.0.0.1:7001 --store auditor-store --key auditor.key \\
-        [--profile emulated-gpu] [--port-file FILE] [--tls-cert C --tls-key K] [--tls-ca CA]
+        [--profile emulated-gpu] [--port-file FILE] [--tls-cert C --tls-key K] [--tls-ca CA] \\
+        [--processes P] [--sample F]
     ovt-auditor audit --trainer 127.0.0.1:7000 --job JOB_ID --store auditor-store \\
-        --key auditor.key [--profile emulated-gpu] [--tls-ca CA] [--json]
+        --key auditor.key [--profile emulated-gpu] [--tls-ca CA] [--json] \\
+        [--processes P] [--sample F]
 
-Exit codes: 0 success (audit: the roots match), 1 the audit diverged (the challenge is written),
-2 an error, explained in one line on stderr, never a traceback. `serve` exits 0 on SIGTERM or
-Ctrl-C after a graceful shutdown; an interrupted audit resumes when the daemon starts again.
+`--processes P` replays the intervals between the trainer's checkpoints in P worker processes
+(same signed root as one); `--sample F` replays only a fraction F of them, drawn where the
+trainer cannot foresee (`protocol.job.sampling`), and reports "sampled, not verified" with the
+probability that a cheat would have been caught.
+
+Exit codes: 0 success (audit: the roots match: verified), 1 the audit diverged (the challenge
+is written), 4 a sampled audit found no divergence (sampled, NOT verified: never 0), 2 an
+error, explained in one line on stderr, never a traceback. `serve` exits 0 on SIGTERM or Ctrl-C
+after a graceful shutdown; an interrupted audit resumes when the daemon starts again.
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ from protocol.errors import ConfigError
 from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
+from protocol.job.sampling import REPORTED_CHEATS, Sample
 
-from .audit import MATCHED, AuditRecord, run_audit
+from .audit import DIVERGED, MATCHED, SAMPLED, AuditRecord, run_audit
 from .faults import KINDS as FAULT_KINDS
 from .faults import AuditorFaults, parse_auditor_fault
 from .server import AuditorNode
 
-EXIT_OK, EXIT_DIVERGED = 0, 1
+EXIT_OK, EXIT_DIVERGED, EXIT_SAMPLED = 0, 1, 4
 _PLAINTEXT_HELP = ("allow plaintext gRPC on a non-loopback address (listening and connecting "
                    "to trainers); unsafe: anyone on the path can read and alter the traffic")
 
@@ -70,6 +79,15 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--allow-program", action="append", default=[], metavar="REF",
                              help="a user program (package.module:function or "
                                   "file.py:function) jobs may run here; built-ins always may")
+        command.add_argument("--processes", default="1", metavar="P",
+                             help="replay the intervals between the trainer's checkpoints in "
+                                  "P worker processes, each on cores/P threads (default: 1, "
+                                  "one sequential replay); the signed root is the same")
+        command.add_argument("--sample", metavar="F",
+                             help="replay only a fraction F (0 < F <= 1) of the intervals, "
+                                  "chosen from a seed the trainer cannot predict; finding "
+                                  "nothing is SAMPLED, NOT VERIFIED (exit 4), and signs "
+                                  "nothing")
         command.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
                              help="the largest built-in model (in parameters, counted from the "
                                   "job's config before anything is built) a trainer's job may "
@@ -93,6 +111,31 @@ def _fault(text: str) -> Fault:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _processes(text: str) -> int:
+    """--processes: a whole number >= 1. Raises ConfigError (one line, exit 2)."""
+    try:
+        processes = int(text)
+    except ValueError:
+        processes = 0
+    if processes < 1:
+        raise ConfigError(f"--processes must be a whole number >= 1, got {text!r}")
+    return processes
+
+
+def _sample(text: str | None) -> float | None:
+    """--sample: None (a full audit) or a fraction F with 0 < F <= 1. Raises ConfigError."""
+    if text is None:
+        return None
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = float("nan")  # refused below, like every value outside (0, 1]
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--sample must be a fraction F with 0 < F <= 1 (e.g. 0.25), got "
+                          f"{text!r}")
+    return fraction
+
+
 def _positive(max_params: int) -> int:
     if max_params < 1:
         raise ConfigError(f"--max-params must be at least 1, got {max_params}")
@@ -112,7 +155,8 @@ def _serve(args) -> int:
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        limits=limits_of(args), max_params=_positive(args.max_params),
-                       data_dir=args.data_dir,
+                       data_dir=args.data_dir, processes=_processes(args.processes),
+                       sample=_sample(args.sample),
                        faults=tuple(args.inject_fault))  # it warns when faults are set
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -138,17 +182,19 @@ def _audit(args) -> int:
         job_id = b""
     if len(job_id) != 32:
         raise ConfigError(f"--job must be a job id of 64 hex digits, got {args.job!r}")
+    processes, sample = _processes(args.processes), _sample(args.sample)
     _warn_faults(args)
     record = run_audit(args.trainer, job_id, args.store, KeyPair.load(args.key),
                        Profile.parse(args.profile), tls_ca=args.tls_ca,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        allowed_programs=args.allow_program, progress=_progress,
                        max_params=_positive(args.max_params), data_dir=args.data_dir,
-                       hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None)
+                       hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None,
+                       processes=processes, sample=sample)
     if sys.stderr.isatty() and 0 < record.replayed < record.steps:
         print(file=sys.stderr)  # end the progress line
     print(json.dumps(record_json(record), indent=2) if args.json else verdict_line(record))
-    return EXIT_OK if record.state == MATCHED else EXIT_DIVERGED
+    return {MATCHED: EXIT_OK, SAMPLED: EXIT_SAMPLED}.get(record.state, EXIT_DIVERGED)
 
 
 def verdict_line(record: AuditRecord) -> str:
@@ -156,8 +202,14 @@ def verdict_line(record: AuditRecord) -> str:
     if record.state == MATCHED:
         return (f"job {job}: MATCHED: {record.steps} steps replayed, root "
                 f"{record.auditor_commitment.commitment.root.hex()}")
+    if record.state == SAMPLED:
+        return f"job {job}: SAMPLED, NOT VERIFIED: {record.reason}"
     where = f"; challenge written to {record.challenge}" if record.challenge else ""
-    return f"job {job}: DIVERGED at step {record.divergent_step}: {record.reason}{where}"
+    found = (f" (found by a sampled audit of {len(record.sample.chosen)} of "
+             f"{record.sample.intervals} intervals, then replayed in full up to it)"
+             if record.sample and record.state == DIVERGED else "")
+    return (f"job {job}: DIVERGED at step {record.divergent_step}: {record.reason}{found}"
+            f"{where}")
 
 
 def record_json(record: AuditRecord) -> dict:
@@ -170,7 +222,19 @@ def record_json(record: AuditRecord) -> dict:
             "auditor_root": root(record.auditor_commitment),
             "auditor_public_key": None if record.auditor_commitment is None else
             record.auditor_commitment.commitment.public_key.hex(),
-            "challenge": None if record.challenge is None else str(record.challenge)}
+            "challenge": None if record.challenge is None else str(record.challenge),
+            "sample": None if record.sample is None else sample_json(record.sample)}
+
+
+def sample_json(sample: Sample) -> dict:
+    """A sample as JSON: what was replayed, and the catch probabilities it gives (floats)."""
+    return {"verified": False, "intervals": sample.intervals,
+            "sampled": [[iv.first, iv.last] for iv in sample.chosen],
+            "steps_replayed": sample.replayed_steps,
+            "catch_probability_at_least": float(sample.caught(1)[0]),
+            "catch_probability_distinct_intervals": {
+                str(m): float(sample.caught(m)[1]) for m in REPORTED_CHEATS
+                if m <= sample.intervals}}
 
 
 def _progress(step: int, steps: int) -> None:

@@ -38,10 +38,10 @@ from protocol.job.queue import JobQueue, Stopped
 from protocol.job.run import StepHooks
 from protocol.job.store import SPEC_FILE
 
-from .audit import DIVERGED, FAILED, MATCHED, AuditRecord, run_audit
+from .audit import DIVERGED, FAILED, MATCHED, SAMPLED, AuditRecord, run_audit
 
 QUEUED, RUNNING = "queued", "running"
-TERMINAL = (MATCHED, DIVERGED, FAILED)
+TERMINAL = (MATCHED, DIVERGED, SAMPLED, FAILED)
 REQUEST_FILE, RECORD_FILE = "audit-request.ovt", "audit.ovt"
 MAX_PENDING = 64
 MAX_UNSTORED_FAILURES = 256  # failed audits that left no store, remembered in memory
@@ -53,7 +53,7 @@ class AuditStatus:
 
     job_id: bytes
     trainer: str
-    state: str  # queued | running | matched | diverged | failed
+    state: str  # queued | running | matched | diverged | sampled | failed
     step: int = 0
     steps: int = 0
     record: AuditRecord | None = None
@@ -72,12 +72,16 @@ class AuditRunner:
                  allowed_programs: Collection[str] = (),
                  max_params: int = DEFAULT_MAX_PARAMS,
                  audit: Callable[..., AuditRecord] = run_audit,
-                 hooks: StepHooks | None = None, data_dir: Path | None = None) -> None:
+                 hooks: StepHooks | None = None, data_dir: Path | None = None,
+                 processes: int = 1, sample: float | None = None) -> None:
         """`data_dir`: the folder jobs' data files are read in (None: a job with one fails).
         `hooks`: FAULT INJECTION only (a lying auditor, `auditor_node.faults`), passed to
-        every audit; None audits honestly."""
+        every audit; None audits honestly. `processes`, `sample`: how every audit replays
+        (`run_audit`'s options: worker processes, and the fraction of intervals a sampled
+        audit replays; None audits in full)."""
         self.store_root = Path(store_root)
         self.hooks, self.data_dir = hooks, data_dir
+        self.processes, self.sample = processes, sample
         self.key, self.profile, self.tls_ca = key, profile, tls_ca
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
@@ -176,7 +180,10 @@ class AuditRunner:
                                  # only when set: an `audit` stand-in need not know of these
                                  **({} if self.hooks is None else {"hooks": self.hooks}),
                                  **({} if self.data_dir is None else
-                                    {"data_dir": self.data_dir}))
+                                    {"data_dir": self.data_dir}),
+                                 **({} if self.processes == 1 else
+                                    {"processes": self.processes}),
+                                 **({} if self.sample is None else {"sample": self.sample}))
         except Stopped:
             return  # no record: `recover` queues it again on the next start
         except OvtError as err:

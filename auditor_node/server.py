@@ -42,11 +42,13 @@ class AuditorNode:
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (), limits: ServerLimits | None = None,
                  max_params: int = DEFAULT_MAX_PARAMS, data_dir: Path | None = None,
+                 processes: int = 1, sample: float | None = None,
                  faults: Collection[Fault] = ()) -> None:
         """`limits`: the server's worker threads, stream slots and stream idle timeout
         (default `ServerLimits()`). `max_params`: the largest built-in model a trainer's spec
         may make this auditor build. `data_dir`: the folder jobs' data files are read in (None:
-        a job with one fails its audit, saying so). `faults`: FAULT INJECTION only (tests and
+        a job with one fails its audit, saying so). `processes`, `sample`: how every audit
+        replays (see `auditor_node.audit.run_audit`). `faults`: FAULT INJECTION only (tests and
         demos): make this auditor lie, see `auditor_node.faults`. Raises ConfigError for a bad
         address, TLS files or plaintext off loopback."""
         profile.check_runnable()
@@ -56,7 +58,7 @@ class AuditorNode:
         self.runner = AuditRunner(store_root, key, profile, tls_ca=tls_ca,
                                   allow_remote_plaintext=allow_remote_plaintext,
                                   allowed_programs=allowed_programs, max_params=max_params,
-                                  data_dir=data_dir,
+                                  data_dir=data_dir, processes=processes, sample=sample,
                                   hooks=AuditorFaults(faults) if faults else None)
         claims = ClaimsServicer(StoreDirectory(Path(store_root)), data_dir=data_dir)
         auditor = AuditorServicer(self.runner)

@@ -55,7 +55,7 @@ class LogViolationError(OvtError):
     def __init__(self, step: int | None, site: int, op: str, index: int, distance: float,
                  bound: float, note: str | None = None) -> None:
         self.step, self.site, self.op = step, site, op
-        self.index, self.distance, self.bound = index, distance, bound
+        self.index, self.distance, self.bound, self.note = index, distance, bound, note
         where = f"step {step}, " if step is not None else ""
         if note is not None:
             why = f"{distance:.6g} away, e' = {bound:.6g}: {note}"
@@ -165,6 +165,12 @@ class PeerError(OvtError):
 class NoAnswer(PeerError):
     """A party to a dispute did not answer, or answered with something that is not an answer
     at all (the arbiter records it as that party's failure, never as its own)."""
+
+
+class WorkerError(OvtError):
+    """A worker process of this party that died, did not start or stopped answering: a
+    data-parallel worker (`protocol.engine.dataparallel`; the step it was computing is run
+    again) or an audit interval's (`protocol.job.intervals`)."""
 
 
 class ArbiterError(OvtError):

@@ -60,6 +60,20 @@ def test_the_demo_verifies_the_honest_trainer_and_catches_the_cheat(tmp_path):
     assert "FAULT INJECTION" not in logs["honest-trainer.log"]
 
 
+@pytest.mark.slow  # ~30 s on 2 cores: the demo with both trainers on 2 processes each
+def test_the_demo_catches_a_cheat_trained_on_two_processes(tmp_path):
+    """Issue 14: both trainer daemons compute their micro-batches on 2 processes (gloo over
+    127.0.0.1); the honest one is verified and the cheat adjudicated at its step."""
+    (tmp_path / "tiny.toml").write_text(TINY_JOB.replace("[config]", "micro_batches = 2\n[config]"))
+    proc = _run("demo", "--job-file", tmp_path / "tiny.toml", "--fault", "skip-step:7",
+                "--trainer-workers", 2, "--workdir", tmp_path / "work")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trainers on 2 processes" in proc.stderr
+    verdict = verify_verdict((tmp_path / "work" / "verdict.ovtv").read_bytes())
+    assert (verdict.fault, verdict.step) == ("trainer", 7)
+    assert "on 2 processes" in (tmp_path / "work" / "honest-trainer.log").read_text()
+
+
 SCHEDULED_JOB = """\
 program = "char-transformer"
 steps = 8

@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=None,
                        help="intra-op threads for training (overrides the profile's count)")
     add_limit_options(serve)
+    serve.add_argument("--train-workers", type=int, default=1, metavar="W",
+                       help="processes computing each job's micro-batches, this one included "
+                            "(gloo over 127.0.0.1; a job uses at most its micro_batches of "
+                            "them, and its leaves are the same for any count; default: "
+                            "%(default)s)")
     serve.add_argument("--max-message-mb", type=int, default=64,
                        help="largest gRPC message accepted or sent, MiB (default: %(default)s)")
     serve.add_argument("--max-state-mb", type=int, default=8192,
@@ -153,9 +158,9 @@ def _serve(args) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s ovt-trainer %(levelname)s %(message)s")
     if min(args.max_message_mb, args.max_state_mb, args.max_inflight_mb, args.max_params,
-           1 if args.threads is None else args.threads) < 1:
-        raise ConfigError("--max-message-mb, --max-state-mb, --max-inflight-mb, --max-params "
-                          "and --threads must be at least 1")
+           args.train_workers, 1 if args.threads is None else args.threads) < 1:
+        raise ConfigError("--max-message-mb, --max-state-mb, --max-inflight-mb, --max-params, "
+                          "--train-workers and --threads must be at least 1")
     profile = _profile(args)
     node = TrainerNode(TrainerConfig(
         listen=args.listen, store=args.store, key=KeyPair.load(args.key), profile=profile,
@@ -165,7 +170,7 @@ def _serve(args) -> int:
         max_inflight_bytes=args.max_inflight_mb << 20, max_params=args.max_params,
         limits=limits_of(args),
         allowed_programs=tuple(args.allow_program), data_dir=args.data_dir,
-        faults=tuple(args.inject_fault)))
+        workers=args.train_workers, faults=tuple(args.inject_fault)))
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -57,7 +57,7 @@ def _flip_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:
     up = site.up.copy()
     up[entry] = not up[entry]
     changed = dataclasses.replace(site, up=up)
-    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:])
+    return dataclasses.replace(log, sites=log.sites[:which] + (changed,) + log.sites[which + 1:])
 
 
 def _effective_flip(ex: Executor, saved: dict[str, torch.Tensor], examples, log: RoundingLog,
@@ -90,7 +90,7 @@ def _drop_entry(log: RoundingLog, which: int, entry: int) -> RoundingLog:
     site = log.sites[which]
     keep = [i for i in range(site.indices.size) if i != entry]
     changed = dataclasses.replace(site, indices=site.indices[keep], up=site.up[keep])
-    return RoundingLog(log.sites[:which] + (changed,) + log.sites[which + 1:])
+    return dataclasses.replace(log, sites=log.sites[:which] + (changed,) + log.sites[which + 1:])
 
 
 def _invent_entry(log: RoundingLog) -> RoundingLog:
@@ -119,7 +119,7 @@ def _invent_entry(log: RoundingLog) -> RoundingLog:
     up.insert(pos, True)
     changed = dataclasses.replace(site, indices=np.array(indices, dtype=np.int64),
                                   up=np.array(up, dtype=bool))
-    return RoundingLog(sites[:which] + (changed,) + sites[which + 1:])
+    return dataclasses.replace(log, sites=sites[:which] + (changed,) + sites[which + 1:])
 
 
 def _first_gap(site: SiteLog) -> int:

@@ -49,12 +49,14 @@ class JobRunner:
     """The trainer's job queue (`protocol.job.queue.JobQueue`) and the training it runs."""
 
     def __init__(self, stores: StoreDirectory, key: KeyPair, profile: Profile, *,
-                 hooks: StepHooks | None = None, data_dir: Path | None = None) -> None:
+                 hooks: StepHooks | None = None, data_dir: Path | None = None,
+                 workers: int = 1) -> None:
         """`data_dir`: the folder jobs' data files are read in (None: a job with one fails).
-        `hooks`: FAULT INJECTION only (`trainer_node.faults`), passed to every `run_job`;
-        None trains honestly."""
+        `workers`: processes computing each job's micro-batches, at most the job's count of
+        them (SPEC §3.5: the leaves are the same for any count). `hooks`: FAULT INJECTION only
+        (`trainer_node.faults`), passed to every `run_job`; None trains honestly."""
         self.stores, self.key, self.profile, self.hooks = stores, key, profile, hooks
-        self.data_dir = data_dir
+        self.data_dir, self.workers = data_dir, workers
         self._queue: JobQueue[JobStatus] = JobQueue("ovt-trainer-runner", self._run,
                                                     max_waiting=MAX_QUEUED, noun="jobs")
 
@@ -128,12 +130,14 @@ class JobRunner:
     def _run(self, job_id: bytes) -> None:
         store = self.stores.get(job_id)
         steps = store.spec.steps
-        log.info("job %s: training from step %d of %d", job_id.hex(), store.last_step(), steps)
+        workers = min(self.workers, store.spec.micro_batches)
+        log.info("job %s: training from step %d of %d%s", job_id.hex(), store.last_step(), steps,
+                 f" on {workers} processes" if workers > 1 else "")
         self._queue.update(job_id, state=RUNNING, step=store.last_step())
         try:
             signed = run_job(store, self.key, profile=self.profile, hooks=self.hooks,
                              progress=lambda step, _: self._progress(job_id, step),
-                             data_dir=self.data_dir)
+                             data_dir=self.data_dir, workers=workers)
         except Stopped:
             self._queue.update(job_id, state=QUEUED)
             log.info("job %s: stopped at step %d; it resumes on restart", job_id.hex(),

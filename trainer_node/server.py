@@ -51,6 +51,7 @@ class TrainerConfig:
     limits: ServerLimits = ServerLimits()  # worker threads, stream slots, stream idle timeout
     allowed_programs: tuple[str, ...] = field(default=())
     data_dir: Path | None = None  # the folder jobs' data files are read in (None: refused)
+    workers: int = 1  # processes computing a job's micro-batches (at most its micro-batches)
     # FAULT INJECTION (tests and demos only): make this trainer cheat, see trainer_node.faults.
     faults: tuple[Fault, ...] = field(default=())
 
@@ -69,7 +70,7 @@ class TrainerNode:
                         "demos of the dispute game only", ", ".join(map(str, config.faults)))
         self.runner = JobRunner(self.stores, config.key, config.profile,
                                 hooks=faults if faults and faults.training else None,
-                                data_dir=config.data_dir)
+                                data_dir=config.data_dir, workers=config.workers)
         claims = ClaimsServicer(self.stores, data_dir=config.data_dir,
                                 leaf_fault=faults.leaf_fault
                                 if faults and faults.serving else None)

@@ -23,6 +23,7 @@ import safetensors.torch
 from protocol.cli.commands import add_data_dir_option
 from protocol.codec.state import load_safetensors, state_digest
 from protocol.commit.keys import KeyPair
+from protocol.engine.dataparallel import require_world
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, StateFormatError, StoreError
 from protocol.files import atomic_write
@@ -61,6 +62,7 @@ def add_commands(sub) -> None:
     run.add_argument("--store", type=Path, required=True, help="the trainer's store directory")
     run.add_argument("--key", type=Path, required=True, help="the trainer's key file")
     run.add_argument("--profile", default="cpu-2t", help="hardware profile (default: %(default)s)")
+    _add_workers_option(run)
     add_data_dir_option(run)
     run.set_defaults(run=_run)
     audit = jobs.add_parser("audit", help="replay a job from a trainer's store on this profile")
@@ -70,8 +72,20 @@ def add_commands(sub) -> None:
     audit.add_argument("--key", type=Path, required=True, help="the auditor's key file")
     audit.add_argument("--profile", default="emulated-gpu",
                        help="hardware profile (default: %(default)s)")
+    _add_workers_option(audit)
     add_data_dir_option(audit)
     audit.set_defaults(run=_audit)
+
+
+def _add_workers_option(parser) -> None:
+    parser.add_argument("--workers", type=int, default=1, metavar="W",
+                        help="processes computing each step's micro-batches, this one "
+                             "included (1 to the job's micro_batches; the leaves are the same "
+                             "for any W, on either side; default: %(default)s)")
+
+
+def _check_workers(args, spec: JobSpec) -> None:
+    require_world(args.workers, spec.micro_batches, "--workers")
 
 
 def _keygen(args) -> int:
@@ -103,23 +117,25 @@ def _show(args) -> int:
 
 def _run(args) -> int:
     spec = _load_spec(args.spec)
+    _check_workers(args, spec)
     locate_data_file(spec, args.data_dir)  # before a store is made for a job it cannot run
     store = JobStore(args.store, spec)
     if store.last_step() < 0:
         store.put_initial(_load_s0(args.spec, spec))
     signed = run_job(store, KeyPair.load(args.key), profile=Profile.parse(args.profile),
-                     progress=_progress, data_dir=args.data_dir)
+                     progress=_progress, data_dir=args.data_dir, workers=args.workers)
     print(f"job {spec.job_id.hex()}: {spec.steps} steps, root {signed.commitment.root.hex()}")
     return 0
 
 
 def _audit(args) -> int:
     spec = _load_spec(args.spec)
+    _check_workers(args, spec)
     locate_data_file(spec, args.data_dir)
     trainer = JobStore.open(args.trainer_store, spec.job_id.hex())
     outcome = replay_job(JobStore(args.store, spec), StoreSource(trainer),
                          KeyPair.load(args.key), profile=Profile.parse(args.profile),
-                         progress=_progress, data_dir=args.data_dir)
+                         progress=_progress, data_dir=args.data_dir, workers=args.workers)
     if outcome.matches:
         print(f"job {spec.job_id.hex()}: replay MATCHES the trainer (root "
               f"{outcome.commitment.commitment.root.hex()})")

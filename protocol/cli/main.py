@@ -16,6 +16,7 @@ from protocol.cli import job as jobcli
 from protocol.cli import program as programcli
 from protocol.cli.commands import config_item, run_command
 from protocol.engine import profiles
+from protocol.engine.dataparallel import require_world
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.programs.registry import BUILTIN, load_program
 from protocol.engine.replaycheck import CheckResult, SideSpec, replay_check
@@ -80,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--micro-batches", type=int, default=1,
                     help="split each batch into this many micro-batches whose gradients are "
                          "summed (default: %(default)s)")
+    rc.add_argument("--trainer-workers", type=int, default=1, metavar="W",
+                    help="processes computing the trainer's micro-batches, gloo over 127.0.0.1 "
+                         "(at most --micro-batches; default: %(default)s)")
+    rc.add_argument("--auditor-workers", type=int, default=1, metavar="W",
+                    help="processes computing the auditor's micro-batches (default: "
+                         "%(default)s)")
     rc.add_argument("--seed", type=int, default=0, help="job seed: data order, dropout")
     rc.add_argument("--init-seed", type=int, default=1, help="seed of the initial state S_0")
     rc.add_argument("--probe-steps", default="1",
@@ -98,10 +105,20 @@ def _replay_check(args) -> int:
         raise ConfigError("--steps must be at least 1")
     if args.micro_batches < 1:
         raise ConfigError("--micro-batches must be at least 1")
+    for option, workers in (("--trainer-workers", args.trainer_workers),
+                            ("--auditor-workers", args.auditor_workers)):
+        require_world(workers, args.micro_batches, option)
+        if workers > 1 and args.mode != "ovt":
+            raise ConfigError(f"{option} needs --mode ovt")
     policy = PrecisionPolicy.parse(args.policy)
     trainer_profile = profiles.Profile.parse(args.trainer_profile)
     auditor_profile = profiles.Profile.parse(args.auditor_profile)
     probe = _probe_steps(args.probe_steps, args.steps)
+    if probe and max(args.trainer_workers, args.auditor_workers) > 1:
+        if args.probe_steps != "1":  # asked for, not the default
+            raise ConfigError("the divergence probe runs in one process: --probe-steps needs "
+                              "--trainer-workers 1 and --auditor-workers 1")
+        probe = ()
     config = dict(config_item(item) for item in args.set)
     load_program(args.program, config, args.preset)  # bad program or config: fail before running
     with tempfile.TemporaryDirectory(prefix="ovt-replay-check-") as tmp:
@@ -110,8 +127,10 @@ def _replay_check(args) -> int:
                       init_seed=args.init_seed, steps=args.steps, policy=args.policy,
                       mode=args.mode, probe_steps=probe, run_dir=run_dir,
                       micro_batches=args.micro_batches)
-        trainer = SideSpec(role="trainer", profile=args.trainer_profile, **common)
-        auditor = SideSpec(role="auditor", profile=args.auditor_profile, **common)
+        trainer = SideSpec(role="trainer", profile=args.trainer_profile,
+                           workers=args.trainer_workers, **common)
+        auditor = SideSpec(role="auditor", profile=args.auditor_profile,
+                           workers=args.auditor_workers, **common)
         result = replay_check(trainer, auditor, None if args.json else _Progress(args.steps))
     if args.json:
         print(json.dumps(_json_report(args, policy, trainer_profile, auditor_profile, result),
@@ -179,7 +198,9 @@ def _print_report(args, policy, tp, ap, result: CheckResult) -> None:
     t, a = result.trainer, result.auditor
     preset = f"preset {args.preset}" if args.preset else "its default config"
     print(f"ovt replay-check: {args.program} ({preset}), {args.steps} steps, mode {args.mode}"
-          + (f", {args.micro_batches} micro-batches" if args.micro_batches > 1 else ""))
+          + (f", {args.micro_batches} micro-batches" if args.micro_batches > 1 else "")
+          + (f", {args.trainer_workers} trainer / {args.auditor_workers} auditor processes"
+             if max(args.trainer_workers, args.auditor_workers) > 1 else ""))
     if args.mode == "ovt":
         print(f"  policy {policy.name}, certified bands (bound rules v{policy.rules})")
     print(f"  trainer profile {tp.name} ({tp.describe()}); auditor profile {ap.name} "

@@ -47,7 +47,8 @@ from protocol.errors import EncodingError
 
 # The version of the protocol every signed or hashed object is made under (SPEC §2); an object
 # made under another version is refused.
-PROTOCOL_VERSION = 2  # 2: micro-batches, data files, schedules and RNG keys per micro-batch
+PROTOCOL_VERSION = 3  # 2: micro-batches, data files, schedules, RNG keys per micro-batch;
+# 3: micro-batch parts in the log, each micro-batch from the step's buffers (SPEC §3.5)
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1
 MAX_DEPTH = 64  # nesting of arrays and maps; ovt's objects are a few levels deep

@@ -13,14 +13,22 @@ count and the sparse entries the trainer recorded, of two kinds:
   ambiguous. The codec does not know the target dtype, so it only requires bits < 2**32 (a
   bfloat16 value's bits are < 2**16).
 
+A step of a job with k > 1 micro-batches (SPEC §3.5) also lists its *parts*: the site count of
+each micro-batch's segment (its forward and backward), in micro-batch order; the step's first
+sites are micro-batch 0's, then micro-batch 1's, and so on, and the sites after the last part are
+the step's tail (the gradient sum and the update). That is what lets a worker replay one
+micro-batch alone, at any world size. A step without micro-batches has no parts.
+
 An element has at most one entry. `encode_log` is the one canonical encoding: its SHA-256 is the
 ℓ_t committed in leaf t, so a log has exactly one byte string and the decoder rejects every other
 (non-minimal varints, nonzero padding, out-of-range or colliding entries, trailing bytes).
 
-Format v2, byte layout (varint = unsigned LEB128, minimal, at most 2**63 - 1):
+Format v3, byte layout (varint = unsigned LEB128, minimal, at most 2**63 - 1):
 
     magic      4 bytes   b"OVTL"
-    version    u8        2
+    version    u8        3
+    n_parts    varint    micro-batch parts (0 without micro-batches)
+    parts      n_parts varints, each part's site count: each >= 1, their sum <= n_sites
     n_sites    varint
     per site, in execution order (the site section, unchanged from v1):
       numel    varint    elements in the site (all its floating outputs concatenated)
@@ -39,17 +47,17 @@ Format v2, byte layout (varint = unsigned LEB128, minimal, at most 2**63 - 1):
 
 The delta forms make unordered or repeated value entries unrepresentable. Nothing may follow the
 last value entry. An empty site costs 2 bytes while numel < 128; a log without value entries
-ends in one 0 byte.
+ends in one 0 byte. (v3 added the parts; v2 logs are refused, not read as v3.)
 
     >>> log = RoundingLog((SiteLog(5, np.array([0, 3]), np.array([True, False])),))
     >>> encode_log(log).hex()
-    '4f56544c0201050200030100'
+    '4f56544c030001050200030100'
     >>> decode_log(encode_log(log)) == log
     True
     >>> log = RoundingLog((SiteLog(5, np.array([0, 3]), np.array([True, False]),
     ...                            np.array([4]), np.array([0x3F80], dtype=np.uint32)),))
     >>> encode_log(log).hex()
-    '4f56544c02010502000301010004807f'
+    '4f56544c0300010502000301010004807f'
     >>> decode_log(encode_log(log)) == log, log.n_entries, log.n_values, log.n_directions
     (True, 3, 1, 2)
 """
@@ -64,7 +72,7 @@ import numpy as np
 from protocol.errors import ConfigError, LogFormatError
 
 MAGIC = b"OVTL"
-VERSION = 2
+VERSION = 3
 _HEADER = MAGIC + bytes([VERSION])
 _MAX_VARINT = 2**63 - 1
 _MAX_VARINT_BYTES = 9  # 9 * 7 = 63 payload bits
@@ -115,9 +123,25 @@ class SiteLog:
 
 @dataclass(frozen=True)
 class RoundingLog:
-    """L_t: one SiteLog per rounding site executed in the step, in execution order."""
+    """L_t: one SiteLog per rounding site executed in the step, in execution order, and the
+    site count of each micro-batch's segment (`parts`, empty without micro-batches)."""
 
     sites: tuple[SiteLog, ...]
+    parts: tuple[int, ...] = ()
+
+    def part(self, index: int) -> RoundingLog:
+        """Micro-batch `index`'s segment as a log of its own, with one part (a worker replays
+        it alone); `index == len(parts)` is the tail. Raises IndexError for another index."""
+        if not 0 <= index <= len(self.parts):
+            raise IndexError(f"the log has {len(self.parts)} parts; no part {index}")
+        start = sum(self.parts[:index])
+        if index == len(self.parts):
+            return RoundingLog(self.sites[start:])
+        return RoundingLog(self.sites[start:start + self.parts[index]], (self.parts[index],))
+
+    def first_site(self, index: int) -> int:
+        """The step's site number of part `index`'s first site (the tail's for len(parts))."""
+        return sum(self.parts[:index])
 
     @property
     def n_entries(self) -> int:
@@ -328,9 +352,10 @@ def _pack_directions(up: np.ndarray, counts: np.ndarray) -> tuple[bytes, np.ndar
 
 
 def encode_log(log: RoundingLog) -> bytes:
-    """The one canonical encoding of `log` (format v2, see the module docstring).
+    """The one canonical encoding of `log` (format v3, see the module docstring).
 
-    Raises LogFormatError, naming the site, if a site is invalid (unsorted, duplicate or
+    Raises LogFormatError for parts that are not ints >= 1 summing to at most the site count,
+    and, naming the site, if a site is invalid (unsorted, duplicate or
     out-of-range indices of either kind, a value index that is also a direction index, value bits
     outside [0, 2**32), arrays of the wrong type or shape). Entries of all sites are validated,
     varint-encoded and bit-packed in single vectorised passes; only the site headers are written
@@ -339,6 +364,7 @@ def encode_log(log: RoundingLog) -> bytes:
     if not isinstance(log, RoundingLog):
         raise LogFormatError(f"expected RoundingLog, got {type(log).__name__}")
     checked = [_site_arrays(k, site) for k, site in enumerate(log.sites)]
+    parts = _checked_parts(log.parts, len(checked))
     numels = np.array([c.numel for c in checked], dtype=np.int64)
     counts = np.array([c.indices.size for c in checked], dtype=np.int64)
     indices = np.concatenate([_EMPTY_INDICES] + [c.indices for c in checked])
@@ -348,7 +374,10 @@ def encode_log(log: RoundingLog) -> bytes:
     delta_ends = np.concatenate(([0], np.cumsum(_varint_lengths(deltas.astype(np.uint64)))))
     dir_bytes, dir_ends = _pack_directions(up, counts)
     entry_ends = np.cumsum(counts)
-    out = bytearray(_HEADER + _encode_varint(len(checked)))
+    out = bytearray(_HEADER + _encode_varint(len(parts)))
+    for count in parts:
+        out += _encode_varint(count)
+    out += _encode_varint(len(checked))
     delta_start = dir_start = 0
     rows = zip(numels.tolist(), counts.tolist(), delta_ends[entry_ends].tolist(),
                dir_ends.tolist(), strict=True)
@@ -358,6 +387,17 @@ def encode_log(log: RoundingLog) -> bytes:
         delta_start, dir_start = delta_end, dir_end
     out += _encode_values(checked, numels, counts, indices)
     return bytes(out)
+
+
+def _checked_parts(parts: object, n_sites: int) -> tuple[int, ...]:
+    """`parts` as ints after checking each is >= 1 and their sum is <= n_sites."""
+    if not isinstance(parts, tuple) or any(
+            isinstance(c, bool) or not isinstance(c, int | np.integer) for c in parts):
+        raise LogFormatError(f"rounding log parts must be a tuple of ints, got {parts!r}")
+    if any(c < 1 for c in parts) or sum(parts) > n_sites:
+        raise LogFormatError(f"rounding log parts {parts} must each be >= 1 and sum to at most "
+                             f"the {n_sites} sites")
+    return tuple(int(c) for c in parts)
 
 
 def log_digest(data: bytes) -> bytes:
@@ -458,8 +498,9 @@ def decode_log(data: bytes, *, max_sites: int = 10_000_000, max_numel: int = 2**
     us allocate or claim. Raises LogFormatError (naming the byte offset and, where there is one,
     the site) for a wrong magic or version, truncation, trailing bytes, non-minimal or oversized
     varints, count > numel, indices not strictly increasing or >= numel, nonzero padding bits,
-    value entries naming a site >= n_sites or colliding with a direction entry, value bits
-    >= 2**32, or a limit exceeded; ConfigError for bad limits.
+    parts of no site or past the last site, value entries naming a site >= n_sites or colliding
+    with a direction entry, value bits >= 2**32, or a limit exceeded; ConfigError for bad
+    limits.
     """
     _check_limit(max_sites, "max_sites")
     _check_limit(max_numel, "max_numel")
@@ -468,7 +509,10 @@ def decode_log(data: bytes, *, max_sites: int = 10_000_000, max_numel: int = 2**
         raise LogFormatError(f"rounding log must be bytes, got {type(data).__name__}")
     reader = _Reader(bytes(data))
     _read_header(reader)
+    parts = _read_parts(reader, max_sites)
     n_sites = reader.varint("site count")
+    if sum(parts) > n_sites:
+        raise reader.error(f"parts of {sum(parts)} sites in all for {n_sites} sites")
     if n_sites > max_sites:
         raise reader.error(f"{n_sites} sites exceed the limit of {max_sites}")
     if 2 * n_sites > reader.remaining:  # every site takes >= 2 bytes: fail before looping
@@ -489,7 +533,7 @@ def decode_log(data: bytes, *, max_sites: int = 10_000_000, max_numel: int = 2**
     values = _by_site(v_sites[v_first], v_first, v_indices, v_bits)
     none, no_values = (_EMPTY_INDICES, _EMPTY_UP), (_EMPTY_INDICES, _EMPTY_VALUES)
     return RoundingLog(tuple(SiteLog(numel, *directions.get(k, none), *values.get(k, no_values))
-                             for k, numel in enumerate(numels)))
+                             for k, numel in enumerate(numels)), parts)
 
 
 def _by_site(sites: np.ndarray, first: np.ndarray, a: np.ndarray,
@@ -508,6 +552,24 @@ def _read_header(reader: _Reader) -> None:
     version = reader.take(1, "version")[0]
     if version != VERSION:
         raise reader.error(f"unsupported version {version}, expected {VERSION}", len(MAGIC))
+
+
+def _read_parts(reader: _Reader, max_sites: int) -> tuple[int, ...]:
+    """The micro-batch parts: site counts, each >= 1 (their sum is checked against n_sites)."""
+    n_parts = reader.varint("part count")
+    if n_parts > max_sites:  # each part has a site of its own
+        raise reader.error(f"{n_parts} parts exceed the limit of {max_sites} sites")
+    if n_parts > reader.remaining:  # every part takes >= 1 byte: fail before looping
+        raise reader.error(f"truncated: {n_parts} parts need >= {n_parts} bytes, "
+                           f"{reader.remaining} left")
+    parts = []
+    for i in range(n_parts):
+        start = reader.pos
+        count = reader.varint(f"part {i} site count")
+        if count < 1:
+            raise reader.error(f"part {i} has no site", start)
+        parts.append(count)
+    return tuple(parts)
 
 
 def _read_layout(reader: _Reader, n_sites: int, max_numel: int) -> tuple[list[int], _Spans]:

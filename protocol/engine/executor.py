@@ -19,11 +19,13 @@ choice) is pinned for the duration of the step and restored afterwards, never fl
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -31,6 +33,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from protocol.codec.roundinglog import RoundingLog
 from protocol.engine.batches import batch_indices
+from protocol.engine.dataparallel import PartResult, require_world
 from protocol.engine.initialization import load_initial_weights
 from protocol.engine.interceptor import RoundingMode, native_compute
 from protocol.engine.precision import PrecisionPolicy
@@ -40,9 +43,14 @@ from protocol.engine.random_ops import PortableRandomFunctions, PortableRandomOp
 from protocol.engine.rounding import BoundAdversary, SiteRecorder, SiteReplayer
 from protocol.engine.schedules import advance, learning_rates, make_scheduler
 from protocol.engine.splitk import ReorderMode
-from protocol.errors import ConfigError
+from protocol.errors import ConfigError, LogMismatchError, WorkerError
+
+if TYPE_CHECKING:
+    from protocol.engine.dataparallel import WorkerGroup
 
 MODES = ("ovt", "plain", "plain64")
+WORKER_RESTARTS = 3  # a step whose worker group fails is run again, with new workers, this often
+_log = logging.getLogger(__name__)
 SCHEDULE_KEY = "schedule.lr"  # S_t's learning rate per parameter group, when there is a schedule
 
 # A step pins process-wide switches (backend flags, the intra-op thread count) and restores
@@ -111,6 +119,18 @@ class Executor:
         self._names = {id(p): n for n, p in self.model.named_parameters()}
         self.step_count = 0
         self._splitk = profile.reorder()
+        self.workers: WorkerGroup | None = None
+
+    def use_workers(self, workers: WorkerGroup | None) -> None:
+        """Compute each step's micro-batches on `workers` from now on (None: all here again).
+
+        Raises ConfigError unless this is an "ovt" executor with at least as many micro-batches
+        as the group has processes (SPEC §3.5: the micro-batch is what a worker computes)."""
+        if workers is not None:
+            if self.mode != "ovt":
+                raise ConfigError(f"data-parallel workers run the ovt mode, not {self.mode!r}")
+            require_world(workers.world, self.micro_batches, "the worker group's process count")
+        self.workers = workers
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -128,7 +148,7 @@ class Executor:
         self.scheduler = self._fresh_schedule()
         self.step_count = 0
 
-    def _model_tensors(self) -> dict[str, torch.Tensor]:
+    def model_tensors(self) -> dict[str, torch.Tensor]:
         """The model's part of S_t: its state dict, and its floating buffers that the state
         dict leaves out (non-persistent ones, such as rotary-embedding frequencies, which the
         model computes natively when it is built: their bits may differ between machines, so
@@ -139,6 +159,14 @@ class Executor:
                 tensors[name] = buffer
         return tensors
 
+    def _load_model_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy `tensors` (some of `model_tensors()`, by name) into the live model, bits and
+        layout kept as the live tensors have them."""
+        live = {**self.model_tensors(), **dict(self.model.named_buffers())}
+        with torch.no_grad():
+            for name, value in tensors.items():
+                live[name].copy_(value)
+
     def _fresh_schedule(self) -> LRScheduler | None:
         """The program's learning-rate schedule at step 0 (None without one); SPEC §3.5."""
         if self.program.make_scheduler is None:
@@ -148,7 +176,7 @@ class Executor:
 
     def state(self) -> dict[str, torch.Tensor]:
         """S_t as named CPU tensors (SPEC §2 "State")."""
-        out = {f"model.{k}": v.detach().cpu().clone() for k, v in self._model_tensors().items()}
+        out = {f"model.{k}": v.detach().cpu().clone() for k, v in self.model_tensors().items()}
         for p, st in self.optimizer.state.items():
             for key, value in st.items():
                 if isinstance(value, torch.Tensor):
@@ -170,7 +198,7 @@ class Executor:
                               else f"state {has} learning rates ({SCHEDULE_KEY}) but the "
                                    f"program {'has no' if self.scheduler is None else 'has a'} "
                                    f"schedule")
-        model_sd = self._model_tensors()
+        model_sd = self.model_tensors()
         expected = set(model_sd)
         given = {k.removeprefix("model.") for k in state if k.startswith("model.")}
         if given != expected:
@@ -233,12 +261,14 @@ class Executor:
         batch = {}
         for name in examples[0]:
             t = torch.stack([e[name] for e in examples]).to(self.device)
-            if t.is_floating_point():
-                t = t.to(self.dtype)
-                if self.profile.channels_last and t.dim() == 4:
-                    t = t.contiguous(memory_format=torch.channels_last)
-            batch[name] = t
+            batch[name] = self._laid_out(t.to(self.dtype) if t.is_floating_point() else t)
         return batch
+
+    def _laid_out(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch tensor in the profile's memory layout (a 4-D float: channels_last or not)."""
+        if self.profile.channels_last and t.is_floating_point() and t.dim() == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """B_t, stacked, on the device, floats in the state dtype (SPEC §2 "Batch")."""
@@ -254,6 +284,10 @@ class Executor:
         """
         t = self.step_count + 1
         batch = self.stack(examples) if examples is not None else self.batch(t)
+        if self.workers is not None:
+            if rounder is not None:
+                raise ConfigError("a probe's rounder sees the whole step; run it without workers")
+            return self._parallel_step(t, batch, log)
         if self.mode == "ovt" and rounder is None:
             rounder = SiteRecorder(self.policy) if log is None else \
                 SiteReplayer(self.policy, log, step=t)
@@ -262,19 +296,10 @@ class Executor:
             arithmetic = BoundAdversary(rounder, self.policy)
         with _STEP_LOCK:
             start = time.perf_counter()  # the step's own time, not the wait for the lock
-            self.optimizer.zero_grad(set_to_none=True)
-            randomness = StepRandomness(self.seed, t)  # SPEC §3.4
-            with pinned_backends(), self.profile.applied(), \
-                    self._arithmetic(arithmetic, randomness), PortableRandomFunctions(randomness):
-                loss = self._gradients(batch, randomness)
-                if self.program.clip_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.program.clip_grad_norm, foreach=True)
-                self.optimizer.step()
-            if self.scheduler is not None:
-                advance(self.scheduler)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with self._inside_step(t, arithmetic) as randomness:
+                loss = self._gradients(batch, randomness, rounder)
+                self._update()
+            self._after_update()
             seconds = time.perf_counter() - start
         if isinstance(rounder, SiteReplayer):
             rounder.finish()
@@ -282,44 +307,171 @@ class Executor:
         recorded = rounder.log() if isinstance(rounder, SiteRecorder) else None
         return StepResult(t, loss, seconds, recorded)
 
-    def _gradients(self, batch: dict[str, torch.Tensor], randomness: StepRandomness) -> float:
+    @contextlib.contextmanager
+    def _inside_step(self, t: int, arithmetic, micro_batch: int = 0):
+        """Run (part of) step t: no gradient held, step t's randomness from micro-batch
+        `micro_batch`'s streams on (SPEC §3.4; yielded), the backends pinned, the profile
+        applied and `arithmetic` (a rounder, or None for a plain mode) intercepting every op;
+        all under the step lock."""
+        with _STEP_LOCK:
+            self.optimizer.zero_grad(set_to_none=True)
+            randomness = StepRandomness(self.seed, t)
+            randomness.begin_micro_batch(micro_batch)
+            with pinned_backends(), self.profile.applied(), \
+                    self._arithmetic(arithmetic, randomness), PortableRandomFunctions(randomness):
+                yield randomness
+
+    def _update(self) -> None:
+        """The update of a step whose gradients are in place: clipping, then the optimizer."""
+        if self.program.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                           self.program.clip_grad_norm, foreach=True)
+        self.optimizer.step()
+
+    def _after_update(self) -> None:
+        """The schedule's advance after an update (SPEC §3.5), and the device caught up."""
+        if self.scheduler is not None:
+            advance(self.scheduler)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """B_t cut into the job's k consecutive equal micro-batches, in batch order."""
+        size = self.program.batch_size // self.micro_batches
+        return [{name: t[i * size:(i + 1) * size] for name, t in batch.items()}
+                for i in range(self.micro_batches)]
+
+    def _gradients(self, batch: dict[str, torch.Tensor], randomness: StepRandomness,
+                   rounder) -> float:
         """Backward of the program's loss on `batch` into every parameter's `.grad`; returns
         the loss (the mean of the micro-batches' losses).
 
         With k micro-batches (SPEC §3.5) the batch is cut into k consecutive equal parts in
-        batch order; part i's loss, divided by k, is back-propagated alone, drawing from part
-        i's own random streams, and each parameter's gradient is the sum of the k parts'
-        gradients taken as one reduction over a stacked dimension — one site with a certified
-        band (SPEC §3.2.1), so its bits do not depend on where or in which order the parts
-        were computed. (Buffers a forward pass updates, such as BatchNorm's running
-        statistics, are updated part after part, in part order.) Draws after the parts (in the
-        update) are part k's.
+        batch order. Part i starts from the step's parameters and buffers: its loss, divided
+        by k, is back-propagated alone, drawing from part i's own random streams, and the
+        part's sites end at `rounder.end_part()` (the log's parts). The parts are then joined
+        (`_join`) in sites of their own. Draws after the parts (in the update) are part k's.
         """
         k = self.micro_batches
         if k == 1:
             loss = self.program.loss(self.model, batch)
             loss.backward()
             return float(loss.detach())
-        size = self.program.batch_size // k
         params = [p for p in self.model.parameters() if p.requires_grad]
-        parts: list[list[torch.Tensor | None]] = []
-        losses = []
-        for i in range(k):
+        start = {name: b.clone() for name, b in self.model.named_buffers()}
+        parts = []
+        for i, micro in enumerate(self._micro_batches(batch)):
+            self._load_model_tensors(start)
             randomness.begin_micro_batch(i)
-            micro = {name: t[i * size:(i + 1) * size] for name, t in batch.items()}
-            loss = self.program.loss(self.model, micro)
-            (loss / k).backward()
-            losses.append(float(loss.detach()))
-            parts.append([p.grad for p in params])
-            self.optimizer.zero_grad(set_to_none=True)
+            parts.append(self._micro_batch(micro, params))
+            if rounder is not None:
+                rounder.end_part()
+        self._join(parts, params)
+        randomness.begin_micro_batch(k)
+        return sum(part.loss for part in parts) / k
+
+    def _micro_batch(self, micro: dict[str, torch.Tensor],
+                     params: list[torch.nn.Parameter]) -> PartResult:
+        """One micro-batch's loss / k back-propagated from the live model (SPEC §3.5): its
+        gradients (taken out of `.grad`), the buffers its forward pass left, its loss."""
+        loss = self.program.loss(self.model, micro)
+        (loss / self.micro_batches).backward()
+        grads = [p.grad for p in params]
+        self.optimizer.zero_grad(set_to_none=True)
+        buffers = {name: b.clone() for name, b in self.model.named_buffers()}
+        return PartResult(grads, buffers, float(loss.detach()), None)
+
+    def _join(self, parts: list[PartResult], params: list[torch.nn.Parameter]) -> None:
+        """The micro-batches joined into the model (SPEC §3.5): each parameter's gradient is
+        the sum of the parts' gradients, taken as one reduction over a stacked dimension — one
+        site with a certified band (SPEC §3.2.1), so its bits do not depend on where or in which
+        order the parts were computed. Each floating buffer (BatchNorm's running statistics)
+        becomes the mean of the parts' buffers the same way, each part's having started from
+        the step's; any other buffer (a count) is the last part's. A step's normalisation
+        statistics are thus each micro-batch's own, never the whole batch's."""
         for j, p in enumerate(params):
-            grads = [part[j] for part in parts]
+            grads = [part.grads[j] for part in parts]
             if all(g is None for g in grads):
                 continue
             p.grad = torch.stack([torch.zeros_like(p) if g is None else g
                                   for g in grads]).sum(dim=0)
-        randomness.begin_micro_batch(k)
-        return sum(losses) / k
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                values = [part.buffers[name] for part in parts]
+                buffer.copy_(torch.stack(values).mean(dim=0) if buffer.is_floating_point()
+                             else values[-1])
+
+    def part(self, t: int, index: int, micro: dict[str, torch.Tensor], log: RoundingLog | None,
+             start: dict[str, torch.Tensor], first_site: int = 0) -> PartResult:
+        """Micro-batch `index` of step t alone, as a data-parallel worker computes it: `start`
+        (model tensors by name: a worker's whole model, rank 0's buffers) is loaded first, then
+        the micro-batch runs with a rounder of its own, recording its part of L_t (`log` None)
+        or replaying `log`, that part alone, whose first site is the step's `first_site`.
+
+        Raises what a step raises: LogMismatchError, LogViolationError, ...
+        """
+        self._load_model_tensors(start)
+        micro = {name: self._laid_out(v) for name, v in micro.items()}
+        rounder = SiteRecorder(self.policy) if log is None else \
+            SiteReplayer(self.policy, log, step=t, first_site=first_site, first_part=index)
+        arithmetic = BoundAdversary(rounder, self.policy) if self.profile.adversary else rounder
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with self._inside_step(t, arithmetic, index):
+            result = self._micro_batch(micro, params)
+            rounder.end_part()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if isinstance(rounder, SiteReplayer):
+            rounder.finish()
+        else:
+            result.log = rounder.log()
+        return result
+
+    def _parallel_step(self, t: int, batch: dict[str, torch.Tensor],
+                       log: RoundingLog | None) -> StepResult:
+        """Step t with its micro-batches computed by the worker group (`dataparallel`), then
+        joined and the update run here, in the tail's sites. A group that fails is started
+        again and the step run again from S_{t-1}, at most WORKER_RESTARTS times."""
+        assert self.workers is not None
+        k = self.micro_batches
+        if log is not None and len(log.parts) != k:
+            raise LogMismatchError(f"step {t}: the rounding log has {len(log.parts)} "
+                                   f"micro-batch parts but the job has {k} micro-batches")
+        start = time.perf_counter()
+        buffers = {name: b.clone() for name, b in self.model.named_buffers()}  # S_{t-1}'s
+        for attempt in range(WORKER_RESTARTS + 1):
+            try:
+                if attempt:
+                    self._load_model_tensors(buffers)  # this rank's parts left theirs
+                    self.workers.start()
+                parts = self.workers.parts(self, t, self._micro_batches(batch), log)
+                break
+            except WorkerError as err:
+                if attempt == WORKER_RESTARTS:
+                    raise
+                _log.warning("%s; starting the workers again", err)
+        tail = SiteRecorder(self.policy) if log is None else \
+            SiteReplayer(self.policy, log.part(k), step=t, first_site=log.first_site(k))
+        arithmetic = BoundAdversary(tail, self.policy) if self.profile.adversary else tail
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        with _STEP_LOCK:
+            with self._inside_step(t, arithmetic, k):
+                self._join(parts, params)
+                self._update()
+            self._after_update()
+        seconds = time.perf_counter() - start
+        recorded = None
+        if isinstance(tail, SiteReplayer):
+            tail.finish()
+        else:  # L_t: the parts' logs in micro-batch order, then the tail's (SPEC §3.5)
+            logs = [part.log for part in parts if part.log is not None]
+            if len(logs) != k:
+                raise AssertionError(f"step {t}: {k - len(logs)} recorded parts have no log")
+            sites = tuple(site for part_log in logs for site in part_log.sites)
+            recorded = RoundingLog(sites + tail.log().sites,
+                                   tuple(len(part_log.sites) for part_log in logs))
+        self.step_count = t
+        return StepResult(t, sum(part.loss for part in parts) / k, seconds, recorded)
 
     def _arithmetic(self, rounder, randomness: StepRandomness):
         if self.mode == "ovt":

@@ -12,6 +12,7 @@ Everything a side writes is its own output for its own partner; nothing is unpic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from protocol.codec.roundinglog import decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
+from protocol.engine.dataparallel import Recipe, WorkerGroup
 from protocol.engine.divergence import (
     CapturingRecorder,
     ComparingReplayer,
@@ -53,6 +55,7 @@ class SideSpec:
     probe_steps: tuple[int, ...]
     run_dir: str
     micro_batches: int = 1
+    workers: int = 1  # processes computing the micro-batches (SPEC §3.5; dataparallel)
 
 
 @dataclass
@@ -79,6 +82,21 @@ def _executor(spec: SideSpec) -> Executor:
                     mode=spec.mode, micro_batches=spec.micro_batches)
 
 
+def worker_executor(args: dict) -> Executor:
+    """A data-parallel worker's executor for the side `args` (a SideSpec as JSON values): the
+    `Recipe` builder `run_side` gives its workers."""
+    return _executor(SideSpec(**{**args, "probe_steps": tuple(args["probe_steps"])}))
+
+
+def _workers(spec: SideSpec) -> contextlib.AbstractContextManager[WorkerGroup | None]:
+    """The side's worker group, started (a null context for one process; a probed step then
+    refuses to run, `Executor.step`: the probe sees the whole step in one process)."""
+    if spec.workers == 1:
+        return contextlib.nullcontext()
+    return WorkerGroup(spec.workers, Recipe("protocol.engine.replaycheck:worker_executor",
+                                            asdict(spec)))
+
+
 def run_side(spec: SideSpec, progress: Callable[[int], None] | None = None) -> SideResult:
     """Run one side in this process, writing its outputs to run_dir/<role>/: result.json, the
     final state (final.ovts) and, for the trainer, S_0 (s0.ovts) and the logs (logs/*.ovtl)."""
@@ -87,10 +105,12 @@ def run_side(spec: SideSpec, progress: Callable[[int], None] | None = None) -> S
     result = SideResult()
     try:
         ex = _executor(spec)
-        if spec.role == "trainer":
-            _train(spec, ex, out, result, progress)
-        else:
-            _audit(spec, ex, result, progress)
+        with _workers(spec) as workers:
+            ex.use_workers(workers)
+            if spec.role == "trainer":
+                _train(spec, ex, out, result, progress)
+            else:
+                _audit(spec, ex, result, progress)
         (out / "final.ovts").write_bytes(encode_state(ex.state()))
     except OvtError as err:
         result.error = str(err)

@@ -89,6 +89,12 @@ class SiteRecorder:
         self._candidates: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
                                      torch.Tensor]] = []
         self._sites: list[SiteLog] = []  # the first sites, decided
+        self._part_ends: list[int] = []  # the site count at each micro-batch's end
+
+    def end_part(self) -> None:
+        """End a micro-batch's part of the step (SPEC §3.5): the sites since the previous part
+        ended are its segment of the log (`RoundingLog.parts`)."""
+        self._part_ends.append(len(self._numels))
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
@@ -112,7 +118,9 @@ class SiteRecorder:
         return self._sites
 
     def log(self) -> RoundingLog:
-        return RoundingLog(tuple(self.sites))
+        starts = [0, *self._part_ends][:len(self._part_ends)]
+        return RoundingLog(tuple(self.sites),
+                           tuple(b - a for a, b in zip(starts, self._part_ends, strict=True)))
 
     def _decide(self) -> None:
         """The entries of the undecided sites: the candidates with δ ≤ 2e, as directions or
@@ -154,14 +162,43 @@ class SiteReplayer:
     """Replay mode: round to nearest-even except where the log says otherwise (SPEC §3.2).
 
     Checks, per site, that the log has a site here with the same element count (SPEC §3.3),
-    and that every logged element is one where honest machines could disagree: its bound is
-    not zero and its replayed value is within `4e'` of a boundary. Otherwise the log is invalid
-    and `LogViolationError` names the site, op and element.
+    that each micro-batch ends where the log's part does (SPEC §3.5), and that every logged
+    element is one where honest machines could disagree: its bound is not zero and its
+    replayed value is within `4e'` of a boundary. Otherwise the log is invalid and
+    `LogViolationError` names the site, op and element. For a log that is one part of a step
+    (a worker replaying micro-batch `first_part` alone), `first_site` is the step's number of
+    its first site, so that errors name the step's site and micro-batch.
     """
 
-    def __init__(self, policy: PrecisionPolicy, log: RoundingLog, step: int | None = None) -> None:
+    def __init__(self, policy: PrecisionPolicy, log: RoundingLog, step: int | None = None,
+                 first_site: int = 0, first_part: int = 0) -> None:
         self.policy, self.log, self.step = policy, log, step
+        self.first_site, self.first_part = first_site, first_part
         self.position = 0
+        self._parts_done = 0
+
+    def _part_end(self) -> int:
+        """Where the current micro-batch's part ends (the log's end after the last part)."""
+        parts = self.log.parts
+        if self._parts_done < len(parts):
+            return sum(parts[:self._parts_done + 1])
+        return len(self.log.sites)
+
+    def end_part(self) -> None:
+        """A micro-batch ended: it must have executed exactly its part's sites."""
+        parts = self.log.parts
+        if self._parts_done >= len(parts):
+            raise LogMismatchError(f"{self._where()}micro-batch "
+                                   f"{self.first_part + self._parts_done} ended but the "
+                                   f"rounding log has {len(parts)} micro-batch parts: the log "
+                                   f"belongs to a job with another micro-batch count")
+        if self.position != self._part_end():
+            raise LogMismatchError(
+                f"{self._where()}micro-batch {self.first_part + self._parts_done} ended before "
+                f"site "
+                f"{self._site(self.position)} but the rounding log's part ends before site "
+                f"{self._site(self._part_end())}: wrong program, config or step")
+        self._parts_done += 1
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
@@ -188,7 +225,12 @@ class SiteReplayer:
         return bool(site.indices.size or site.value_indices.size)
 
     def finish(self) -> None:
-        """Raise if the log has sites the replay never reached."""
+        """Raise if the log has sites or micro-batch parts the replay never reached."""
+        if self._parts_done != len(self.log.parts):
+            raise LogMismatchError(
+                f"{self._where()}rounding log has {len(self.log.parts)} micro-batch parts but "
+                f"the replayed step ran {self._parts_done}: the log belongs to a job with another "
+                f"micro-batch count")
         if self.position != len(self.log.sites):
             raise LogMismatchError(
                 f"{self._where()}rounding log has {len(self.log.sites)} sites but the replayed "
@@ -196,16 +238,22 @@ class SiteReplayer:
 
     def _next_site(self, op: str, ys: list[torch.Tensor]) -> SiteLog:
         numel = sum(y.numel() for y in ys)
+        if self._parts_done < len(self.log.parts) and self.position >= self._part_end():
+            raise LogMismatchError(
+                f"{self._where()}micro-batch {self.first_part + self._parts_done} reached site "
+                f"{self._site(self.position)} ({op}) but the rounding log's part ends before it: "
+                f"wrong program, config or step")
         if self.position >= len(self.log.sites):
             raise LogMismatchError(
-                f"{self._where()}replay reached site {self.position} ({op}, {numel} elements) "
-                f"but the rounding log has only {len(self.log.sites)} sites: the log is cut "
-                f"short or belongs to another program")
+                f"{self._where()}replay reached site {self._site(self.position)} ({op}, {numel} "
+                f"elements) but the rounding log has only {self._site(len(self.log.sites))} "
+                f"sites: the log is cut short or belongs to another program")
         site = self.log.sites[self.position]
         if site.numel != numel:
             raise LogMismatchError(
-                f"{self._where()}site {self.position} ({op}) produced {numel} elements but the "
-                f"rounding log records {site.numel}: wrong program, config or step")
+                f"{self._where()}site {self._site(self.position)} ({op}) produced {numel} "
+                f"elements but the rounding log records {site.numel}: wrong program, config or "
+                f"step")
         self.position += 1
         return site
 
@@ -229,8 +277,8 @@ class SiteReplayer:
         bad = (~valid).nonzero()
         if bad.numel():
             k = int(bad[0, 0])
-            raise LogViolationError(self.step, self.position - 1, op, int(site.indices[mine[k]]),
-                                    float(d[k]), float(ev[k]))
+            raise LogViolationError(self.step, self._site(self.position - 1), op,
+                                    int(site.indices[mine[k]]), float(d[k]), float(ev[k]))
         up = torch.from_numpy(site.up[mine]).to(flat.device)
         r[idx] = step_toward(rv, yv, up, self.policy)
 
@@ -253,8 +301,8 @@ class SiteReplayer:
         bits = site.values[mine]
         over = np.flatnonzero(bits.astype(np.uint64) >> torch.finfo(self.policy.target).bits)
         if over.size:
-            raise LogViolationError(self.step, self.position - 1, op, int(logged[over[0]]),
-                                    float("inf"), 0.0,
+            raise LogViolationError(self.step, self._site(self.position - 1), op,
+                                    int(logged[over[0]]), float("inf"), 0.0,
                                     note=f"its logged bits do not fit {self.policy.target}")
         v = _from_bits(bits, self.policy).to(flat.device)
         yv = flat[idx]
@@ -272,11 +320,15 @@ class SiteReplayer:
         if bad.numel():
             k = int(bad[0, 0])
             raise LogViolationError(
-                self.step, self.position - 1, op, int(logged[k]), float(distance[k]),
+                self.step, self._site(self.position - 1), op, int(logged[k]), float(distance[k]),
                 float(ev[k]), note=f"its logged value {float(v[k]):.9g} is not a choice an honest "
                                    f"machine had (it needs δ' <= 4e', 32e' >= ULP and the value "
                                    f"within ULP/2 + 4e')")
         r[idx] = v
+
+    def _site(self, position: int) -> int:
+        """The step's site number of this log's site `position`."""
+        return self.first_site + position
 
     def _where(self) -> str:
         return f"step {self.step}: " if self.step is not None else ""

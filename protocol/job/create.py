@@ -47,6 +47,7 @@ there, leaves that folder or differs from the committed one. The arbiter never r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import tomllib
@@ -58,6 +59,7 @@ from protocol.codec.dtypes import DTYPES
 from protocol.codec.fields import abbrev
 from protocol.codec.state import state_digest
 from protocol.commit.data import DataCommitment
+from protocol.engine.dataparallel import Recipe, WorkerGroup, require_world
 from protocol.engine.datasets import (
     TOKENS,
     AbsentExamples,
@@ -187,6 +189,26 @@ def job_executor(spec: JobSpec, profile: Profile, data_dir: Path | None = None) 
     a data file is read inside `data_dir` (raises as `load_job_program`)."""
     return Executor(load_job_program(spec, data_dir), seed=spec.seed, policy=spec.policy,
                     profile=profile, micro_batches=spec.micro_batches)
+
+
+def job_workers(spec: JobSpec, profile: Profile, workers: int
+                ) -> contextlib.AbstractContextManager[WorkerGroup | None]:
+    """The data-parallel worker group for running `spec` with `workers` processes in all (SPEC
+    §3.5; a null context for one): give it to `Executor.use_workers` inside its `with`.
+    Raises ConfigError for fewer than one process, or more than the job has micro-batches."""
+    require_world(workers, spec.micro_batches)
+    if workers == 1:
+        return contextlib.nullcontext()
+    return WorkerGroup(workers, Recipe("protocol.job.create:worker_executor", {
+        "spec": spec.to_bytes().hex(), "profile": dataclasses.asdict(profile)}))
+
+
+def worker_executor(args: dict) -> Executor:
+    """A data-parallel worker's executor for a job (`job_workers`' recipe): the spec's program
+    without its data file, whose examples rank 0 sends."""
+    spec = JobSpec.from_bytes(bytes.fromhex(args["spec"]))
+    return Executor(load_job_program(spec, examples=False), seed=spec.seed, policy=spec.policy,
+                    profile=Profile(**args["profile"]), micro_batches=spec.micro_batches)
 
 
 def create_job(job_file: Path) -> tuple[JobSpec, dict[str, torch.Tensor]]:

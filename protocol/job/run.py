@@ -6,7 +6,10 @@ every `commit_interval` steps and at the end. `replay_job` is the auditor: it ta
 trainer's leaves and logs from a `ClaimSource` (a local store here; the daemons' gRPC client
 later), checks each log against the trainer's leaf, replays it on its own hardware profile into
 its own store, and signs its own commitment. It stops at the first step whose state hash
-differs or whose log it must reject: that step is the challenge of SPEC §5.1.
+differs or whose log it must reject: that step is the challenge of SPEC §5.1. The same replay
+cut at the trainer's checkpoints, in worker processes or on a sample of the intervals, is
+`protocol.job.intervals` and `protocol.job.sampling`, sharing `begin_replay`, `replay_step`
+and `finish_replay` with it.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from protocol.errors import (
     ProofError,
     StoreError,
 )
-from protocol.job.create import job_executor
+from protocol.job.create import job_executor, job_workers
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
 Progress = Callable[[int, int], None]
+STATE_DIFFERS = "state hash differs from the trainer's"  # a challenge's reason (SPEC §5.1)
 
 
 class StepHooks:
@@ -94,12 +98,14 @@ def _commit(store: JobStore, key: KeyPair, role: str, n: int) -> SignedCommitmen
 
 def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
             progress: Progress | None = None, hooks: StepHooks | None = None,
-            data_dir: Path | None = None) -> SignedCommitment:
+            data_dir: Path | None = None, workers: int = 1) -> SignedCommitment:
     """Train the store's job to its last step (resuming where the store stops) and sign.
 
     A job with a data file reads it inside `data_dir` (ConfigError without one, or for a file
-    that is not the committed one: `protocol.job.create.load_job_program`). `hooks` (fault
-    injection only, see `StepHooks`) may alter each step and what is stored.
+    that is not the committed one: `protocol.job.create.load_job_program`). With `workers` > 1
+    the micro-batches are computed by that many processes (`job_workers`; the leaves are the
+    same for any count). `hooks` (fault injection only, see `StepHooks`) may alter each step and
+    what is stored.
     """
     spec = store.spec
     last = store.last_step()
@@ -107,17 +113,19 @@ def run_job(store: JobStore, key: KeyPair, *, profile: Profile,
         raise StoreError("the job store holds no initial state; store S_0 first (put_initial)")
     ex = job_executor(spec, profile, data_dir)
     store.state_at(last, ex)
-    for t in range(last + 1, spec.steps + 1):
-        if hooks is None:
-            result = ex.step(examples=committed_batch(spec, ex, t))
-            store.append_step(t, ex.state(), _recorded_log(result))
-        else:
-            result = _hooked_step(ex, hooks, t, None)
-            store.append_step(t, *hooks.after(t, ex, _recorded_log(result)))
-        if t % spec.commit_interval == 0 and t != spec.steps:
-            _commit(store, key, "trainer", t)
-        if progress:
-            progress(t, spec.steps)
+    with job_workers(spec, profile, workers) as group:
+        ex.use_workers(group)
+        for t in range(last + 1, spec.steps + 1):
+            if hooks is None:
+                result = ex.step(examples=committed_batch(spec, ex, t))
+                store.append_step(t, ex.state(), _recorded_log(result))
+            else:
+                result = _hooked_step(ex, hooks, t, None)
+                store.append_step(t, *hooks.after(t, ex, _recorded_log(result)))
+            if t % spec.commit_interval == 0 and t != spec.steps:
+                _commit(store, key, "trainer", t)
+            if progress:
+                progress(t, spec.steps)
     return store.commitment(spec.steps) or _commit(store, key, "trainer", spec.steps)
 
 
@@ -197,12 +205,38 @@ class AuditOutcome:
 
 def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: Profile,
                progress: Progress | None = None, hooks: StepHooks | None = None,
-               data_dir: Path | None = None) -> AuditOutcome:
+               data_dir: Path | None = None, workers: int = 1) -> AuditOutcome:
     """Replay the trainer's job on this profile into the auditor's own store, and sign.
 
-    A job with a data file reads it inside `data_dir`, as `run_job` does. `hooks` (fault
-    injection only, see `StepHooks`) may alter each replayed step and what the auditor stores.
+    A job with a data file reads it inside `data_dir`, as `run_job` does. With `workers` > 1
+    each step's micro-batches are replayed by that many processes (`job_workers`), whatever
+    number the trainer used (SPEC §3.5). `hooks` (fault injection only, see `StepHooks`) may
+    alter each replayed step and what the auditor stores. The same replay cut into intervals
+    and run in several processes is `protocol.job.intervals.replay_in_intervals`; its leaves,
+    and so its root, are these.
     """
+    spec = store.spec
+    trainer, last, divergent, reason = begin_replay(store, source)
+    ex = job_executor(spec, profile, data_dir)
+    store.state_at(last, ex)
+    t = last
+    with job_workers(spec, profile, workers) as group:
+        ex.use_workers(group)
+        while divergent is None and t < spec.steps:
+            t += 1
+            divergent, reason = _replay_into_store(store, source, ex, t, hooks)
+            if progress:
+                progress(t, spec.steps)
+    return finish_replay(store, key, trainer, divergent, reason)
+
+
+def begin_replay(store: JobStore, source: ClaimSource
+                 ) -> tuple[SignedCommitment, int, int | None, str | None]:
+    """Start or resume an audit: the trainer's verified commitment over the whole job, the
+    last step in the auditor's store (S_0 fetched, checked against h_0 and stored first when the
+    store is empty), and the first stored step that disagrees with the trainer (or None) with
+    its reason. Raises SignatureError for a commitment that does not verify, StoreError for an
+    S_0 that does not hash to h_0, and what `source` raises."""
     spec = store.spec
     trainer = source.commitment()
     trainer.verify(job_id=spec.job_id, role="trainer", n=spec.steps)
@@ -212,15 +246,14 @@ def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: P
             raise StoreError("the trainer's S_0 does not hash to the job's h_0")
         store.put_initial(state0)
     last = store.last_step()
-    ex = job_executor(spec, profile, data_dir)
-    store.state_at(last, ex)
     divergent, reason = _first_mismatch(store, source, last)
-    t = last
-    while divergent is None and t < spec.steps:
-        t += 1
-        divergent, reason = _replay_step(store, source, ex, t, hooks)
-        if progress:
-            progress(t, spec.steps)
+    return trainer, last, divergent, reason
+
+
+def finish_replay(store: JobStore, key: KeyPair, trainer: SignedCommitment,
+                  divergent: int | None, reason: str | None) -> AuditOutcome:
+    """Sign the auditor's commitment over every leaf in its store (SPEC §5.1: up to the first
+    divergent step, or all n; the one already signed over as many is reused)."""
     n = store.last_step()
     signed = store.commitment(n) or _commit(store, key, "auditor", n)
     return AuditOutcome(signed, trainer, divergent, reason)
@@ -230,27 +263,38 @@ def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
     """After a restart: the first already-replayed step that disagrees with the trainer."""
     for leaf in store.leaves()[: upto + 1]:
         if leaf.state_hash != source.leaf(leaf.step).state_hash:
-            return leaf.step, "state hash differs from the trainer's"
+            return leaf.step, STATE_DIFFERS
     return None, None
 
 
-def _replay_step(store: JobStore, source: ClaimSource, ex: Executor, t: int,
+def _replay_into_store(store: JobStore, source: ClaimSource, ex: Executor, t: int,
                  hooks: StepHooks | None = None):
     claimed = source.leaf(t)
-    data = source.log_bytes(t)
-    if log_digest(data) != claimed.log_hash:
-        return t, "the trainer served a rounding log that does not match its own leaf"
+    replayed = replay_step(store.spec, ex, t, claimed, source.log_bytes(t), hooks)
+    if isinstance(replayed, str):
+        return t, replayed
+    leaf = store.append_step(t, *replayed)
+    if leaf.state_hash != claimed.state_hash:
+        return t, STATE_DIFFERS
+    return None, None
+
+
+def replay_step(spec: JobSpec, ex: Executor, t: int, claimed: Leaf, log: bytes,
+                hooks: StepHooks | None = None
+                ) -> tuple[dict[str, torch.Tensor], bytes] | str:
+    """Replay step t on `ex` (holding S_{t-1}) with the trainer's log bytes `log`, checked
+    against ℓ_t in the trainer's leaf `claimed` first: (S_t, L_t's bytes) to store, or, when
+    the log must be rejected, the reason, which is a challenge of step t (SPEC §5.1). Raises
+    ConfigError for a data file changed under the job (`committed_batch`)."""
+    if log_digest(log) != claimed.log_hash:
+        return "the trainer served a rounding log that does not match its own leaf"
     try:
         if hooks is None:
-            ex.step(decode_log(data), examples=committed_batch(store.spec, ex, t))
+            ex.step(decode_log(log), examples=committed_batch(spec, ex, t))
         else:
-            _hooked_step(ex, hooks, t, decode_log(data))
+            _hooked_step(ex, hooks, t, decode_log(log))
     except (LogFormatError, LogViolationError, LogMismatchError) as err:
         # An undecodable log is as invalid as a violating one: the arbiter rules invalid-log
         # (SPEC §5.4), so the audit must end in a challenge, not a failure.
-        return t, f"the trainer's rounding log is invalid: {err}"
-    state, data = (ex.state(), data) if hooks is None else hooks.after(t, ex, data)
-    leaf = store.append_step(t, state, data)
-    if leaf.state_hash != claimed.state_hash:
-        return t, "state hash differs from the trainer's"
-    return None, None
+        return f"the trainer's rounding log is invalid: {err}"
+    return (ex.state(), log) if hooks is None else hooks.after(t, ex, log)

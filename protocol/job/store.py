@@ -47,6 +47,12 @@ CREATE TABLE IF NOT EXISTS commitments (
 """
 
 
+def checkpoint_due(spec: JobSpec, step: int) -> bool:
+    """Whether a party stores S_t in full at step t: every checkpoint interval, and S_n (SPEC
+    §4)."""
+    return step % spec.checkpoint_interval == 0 or step == spec.steps
+
+
 def _checked_leaf(step: int, state_hash: bytes, log_hash: bytes, leaf_hash: bytes) -> Leaf:
     """A leaves row as a Leaf, refusing a damaged row (a damaged database may hold anything in
     a BLOB column): all three hashes must be HASH_SIZE bytes and the stored leaf hash the one
@@ -122,15 +128,34 @@ class JobStore:
 
     def append_step(self, step: int, state: dict[str, torch.Tensor], log: bytes) -> Leaf:
         """Record step t: L_t and (when due) S_t made durable first, then the leaf."""
-        if step != self.last_step() + 1:
-            raise StoreError(f"step {step} does not follow the last stored step "
-                             f"{self.last_step()}")
-        atomic_write(self._log_path(step), zlib.compress(log, 6))
-        if step % self.spec.checkpoint_interval == 0 or step == self.spec.steps:
-            self._write_checkpoint(step, state)
         leaf = Leaf(step, state_digest(state), log_digest(log))
-        self._put_leaf(leaf)
+        self._append(leaf, log, state)
         return leaf
+
+    def append_leaf(self, leaf: Leaf, log: bytes,
+                    state: dict[str, torch.Tensor] | None = None) -> None:
+        """Record step t from a leaf computed elsewhere (an audit interval replayed in another
+        process, `protocol.job.intervals`), durable as `append_step` is: `log` must be the
+        leaf's L_t, and S_t is needed, and must hash to h_t, only when a checkpoint is due at
+        t. Raises StoreError for a log or state that is not the leaf's, a missing state, or a
+        step that does not follow the last stored one."""
+        if log_digest(log) != leaf.log_hash:
+            raise StoreError(f"the rounding log given for step {leaf.step} is not its leaf's")
+        if checkpoint_due(self.spec, leaf.step) and (
+                state is None or state_digest(state) != leaf.state_hash):
+            raise StoreError(f"step {leaf.step} is a checkpoint: it needs the state its leaf "
+                             f"hashes")
+        self._append(leaf, log, state)
+
+    def _append(self, leaf: Leaf, log: bytes, state: dict[str, torch.Tensor] | None) -> None:
+        if leaf.step != self.last_step() + 1:
+            raise StoreError(f"step {leaf.step} does not follow the last stored step "
+                             f"{self.last_step()}")
+        atomic_write(self._log_path(leaf.step), zlib.compress(log, 6))
+        if checkpoint_due(self.spec, leaf.step):
+            assert state is not None  # both callers supply it when due
+            self._write_checkpoint(leaf.step, state)
+        self._put_leaf(leaf)
 
     def save_commitment(self, signed: SignedCommitment) -> None:
         with self._lock, self._db:

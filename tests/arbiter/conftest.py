@@ -39,10 +39,11 @@ def tiny_job(seed: int = 0, steps: int = STEPS):
                      commit_interval=steps)
 
 
-def train(root: Path, spec: JobSpec, state0, *, profile=TRAINER_PROFILE, hooks=None) -> JobStore:
+def train(root: Path, spec: JobSpec, state0, *, profile=TRAINER_PROFILE, hooks=None,
+          workers: int = 1) -> JobStore:
     store = JobStore(root, spec)
     store.put_initial(state0)
-    run_job(store, KeyPair.generate(), profile=profile, hooks=hooks)
+    run_job(store, KeyPair.generate(), profile=profile, hooks=hooks, workers=workers)
     return store
 
 
@@ -54,12 +55,14 @@ class Dispute:
     challenge: Challenge | None  # None: the audit matched
 
 
-def audit(root: Path, trainer: JobStore, *, profile=AUDITOR_PROFILE, hooks=None) -> Dispute:
-    """Replay `trainer`'s job on `profile` and, on divergence, file the challenge."""
+def audit(root: Path, trainer: JobStore, *, profile=AUDITOR_PROFILE, hooks=None,
+          workers: int = 1) -> Dispute:
+    """Replay `trainer`'s job on `profile` (on `workers` processes) and, on divergence, file
+    the challenge."""
     spec = trainer.spec
     store = JobStore(root, spec)
     outcome = replay_job(store, StoreSource(trainer), KeyPair.generate(), profile=profile,
-                         hooks=hooks)
+                         hooks=hooks, workers=workers)
     if outcome.matches:
         return Dispute(spec, trainer, store, None)
     j = outcome.first_divergent_step

@@ -90,6 +90,22 @@ def test_a_trainer_that_cuts_the_warmup_short_is_at_fault_at_that_step(scheduled
     assert result.verdict.finding in ("wrong-state", "invalid-log")
 
 
+def test_a_trainer_on_two_processes_is_verified_and_caught_like_one(scheduled_job, tmp_path):
+    """Issue 14: the micro-batches computed by 2 processes (SPEC §3.5) give the 1-process
+    trainer's leaves, an auditor on 2 processes replays the 1-process trainer, and the cheat of
+    a 2-process trainer is caught and adjudicated at its step."""
+    spec, state0 = scheduled_job
+    one = train(tmp_path / "one", spec, state0)
+    two = train(tmp_path / "two", spec, state0, workers=2)
+    assert [leaf.hash for leaf in two.leaves()] == [leaf.hash for leaf in one.leaves()]
+    assert audit(tmp_path / "honest-auditor", one, workers=2).challenge is None
+    cheater = train(tmp_path / "cheater", spec, state0, workers=2,
+                    hooks=TrainerFaults([parse_fault("relabel:3")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    assert dispute.challenge is not None and dispute.challenge.step == 3
+    _assert_verdict(settle(dispute), "trainer", 3, n=6)
+
+
 def test_a_lying_auditor_loses_against_an_honest_scheduled_trainer(scheduled_job, tmp_path):
     """The arbiter re-executes the job's step as the job defines it — schedule, clipping and
     micro-batches included — so the honest trainer wins."""

@@ -1,5 +1,6 @@
 """Fixtures for the auditor's tests: one tiny trained job, served by an in-process Claims server
-on 127.0.0.1 (ephemeral port), so nothing here depends on the trainer daemon."""
+on 127.0.0.1 (ephemeral port), so nothing here depends on the trainer daemon; a liar that
+falsified one leaf, and a cheater that trained one step on a relabelled batch."""
 
 from __future__ import annotations
 
@@ -21,13 +22,16 @@ from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.job.create import build_job
+from protocol.job.faults import Fault
 from protocol.job.run import run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
+from trainer_node.faults import TrainerFaults
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS = 20
 FALSIFIED_STEP = 12
+CHEAT_STEP = 8  # in the job's second checkpoint interval, steps 6-10
 AUDITOR_PROFILE = Profile.parse("emulated-gpu")  # the trainer trains on cpu-2t
 
 
@@ -65,6 +69,23 @@ def liar_root(trained, tmp_path_factory) -> Path:
         job_id=trained.spec.job_id, n=STEPS, root=store.tree().root,
         h_n=store.leaf(STEPS).state_hash, public_key=key.public_key, role="trainer", time=0),
         key))
+    store.close()
+    return root
+
+
+@pytest.fixture(scope="session")
+def cheater_root(trained, tmp_path_factory) -> Path:
+    """The same job trained by a cheating trainer (`relabel:CHEAT_STEP`, trainer_node.faults):
+    its leaves and root are consistent and validly signed; only a replay of step CHEAT_STEP
+    from S_{CHEAT_STEP - 1} shows that it did not train on the committed batch."""
+    honest = JobStore(trained.root, trained.spec)
+    state0 = honest.checkpoint(0)
+    honest.close()
+    root = tmp_path_factory.mktemp("cheater")
+    store = JobStore(root, trained.spec)
+    store.put_initial(state0)
+    run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-2t"),
+            hooks=TrainerFaults([Fault("relabel", CHEAT_STEP)]))
     store.close()
     return root
 
@@ -124,6 +145,12 @@ def trainer_address(trained):
 @pytest.fixture(scope="session")
 def liar_address(liar_root):
     with serve_claims(ClaimsServicer(StoreDirectory(liar_root))) as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def cheater_address(cheater_root):
+    with serve_claims(ClaimsServicer(StoreDirectory(cheater_root))) as address:
         yield address
 
 

@@ -17,7 +17,7 @@ from proto import ovt_pb2, ovt_pb2_grpc
 START_TIMEOUT_S = 60.0
 AUDIT_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
-TERMINAL = ("matched", "diverged", "failed")
+TERMINAL = ("matched", "diverged", "sampled", "failed")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from protocol.dispute.challenge import Challenge
 from protocol.engine.programs.registry import parameter_count
 from protocol.errors import EncodingError, OvtError, PeerError, ResourceLimitError
 from protocol.job.store import JobStore
+from tests.auditor_node.crashes import Crash, crash_at
 
 from .conftest import AUDITOR_PROFILE, FALSIFIED_STEP, STEPS, Counting, serve_claims
 
@@ -160,24 +161,13 @@ def test_a_log_that_does_not_match_its_leaf_is_challenged_without_an_auditor_lea
     assert challenge.auditor_leaf is None and challenge.auditor_commitment.commitment.n == 5
 
 
-class _Crash(Exception):
-    pass
-
-
-def _crash_at(step):
-    def progress(t, _steps):
-        if t == step:
-            raise _Crash(f"auditor killed after step {t}")
-    return progress
-
-
 def test_a_crashed_auditor_resumes_without_refetching(trained, tmp_path):
     counting = Counting(StoreDirectory(trained.root))
     key = KeyPair.generate()
     with serve_claims(counting) as address:
-        with pytest.raises(_Crash):
+        with pytest.raises(Crash):
             run_audit(address, trained.spec.job_id, tmp_path, key, AUDITOR_PROFILE,
-                      progress=_crash_at(8))
+                      progress=crash_at(8))
         assert counting.steps("GetCheckpoint") == [0]
         assert counting.steps("GetLog") == list(range(1, 9))
         # the leaves come in one streamed window (the whole job here), none point-queried

@@ -109,6 +109,13 @@ def test_argparse_error(usage_runs):
     (["replay-check", "--steps", "3", "--probe-steps", "0,2"], "--probe-steps must lie in 1..3"),
     (["replay-check", *TINY_CNN, "--set", "channels=0", "--steps", "1"],
      "channels must be in [1, 1024]"),
+    (["replay-check", "--micro-batches", "2", "--trainer-workers", "3"],
+     "--trainer-workers must lie in 1..2, the job's micro-batches"),
+    (["replay-check", "--auditor-workers", "0"], "--auditor-workers must lie in 1..1"),
+    (["replay-check", "--micro-batches", "2", "--auditor-workers", "2", "--probe-steps", "1,2"],
+     "the divergence probe runs in one process"),
+    (["replay-check", "--micro-batches", "2", "--trainer-workers", "2", "--mode", "plain"],
+     "--trainer-workers needs --mode ovt"),
 ])
 def test_more_usage_errors_in_process(capsys, argv, message):
     assert main(argv) == 2
@@ -151,6 +158,16 @@ def test_text_report_in_process(capsys, tmp_path):
     assert "UNSOUND" not in out and "tau" not in out and "ulp" not in out
     assert (tmp_path / "trainer" / "s0.ovts").is_file()
     assert (tmp_path / "trainer" / "logs" / "0000001.ovtl").is_file()
+
+
+def test_a_replay_at_another_world_size_in_process(capsys, tmp_path):
+    """Issue 14: the trainer on 2 processes, the auditor on 1, another profile: bit-exact."""
+    rc = main(["replay-check", *TINY_CNN, *PAIR, "--steps", "2", "--micro-batches", "2",
+               "--trainer-workers", "2", "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.splitlines()[0].endswith(", 2 micro-batches, 2 trainer / 1 auditor processes")
+    assert "result: BIT-EXACT — all 2 state hashes equal" in out
 
 
 # -- full runs ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from protocol.codec.roundinglog import (
 )
 from protocol.errors import ConfigError, LogFormatError
 
-V = b"OVTL" + bytes([VERSION])  # magic and version of the current format
+V = b"OVTL" + bytes([VERSION, 0])  # magic, version of the current format, no parts
 
 
 def site(numel, indices=(), up=None, value_indices=(), values=None):
@@ -58,7 +58,7 @@ def random_log(rng: np.random.Generator, n_sites: int, value_rate: float = 0.3) 
     return RoundingLog(tuple(sites))
 
 
-# Hand-encoded: magic, version 2, 3 sites;
+# Hand-encoded: magic, version 3, no parts, 3 sites;
 # site 0: numel 5, 2 entries, deltas 0 3, directions (up, down) -> 0b01;
 # site 1: numel 0, no entries;
 # site 2: numel 300 (ac 02), 2 entries, deltas 129 (81 01) and 71 (47),
@@ -69,7 +69,7 @@ GOLDEN_LOG = RoundingLog((
     site(0),
     site(300, [129, 200], [False, True]),
 ))
-GOLDEN_BYTES = bytes.fromhex("4f56544c02" "03" "05020003" "01" "0000" "ac02" "02" "810147" "02"
+GOLDEN_BYTES = bytes.fromhex("4f56544c03" "00" "03" "05020003" "01" "0000" "ac02" "02" "810147" "02"
                              "00")
 
 # GOLDEN_LOG plus value entries in the first and the last site; the same site section, then
@@ -88,7 +88,7 @@ GOLDEN_VALUES_BYTES = GOLDEN_BYTES[:-1] + bytes.fromhex(
 
 
 def test_golden_bytes():
-    assert VERSION == 2
+    assert VERSION == 3
     assert encode_log(GOLDEN_LOG) == GOLDEN_BYTES
     assert decode_log(GOLDEN_BYTES) == GOLDEN_LOG
 
@@ -109,14 +109,14 @@ def test_module_docstring_example_runs():
 
 def test_empty_log():
     data = encode_log(RoundingLog(()))
-    assert data == b"OVTL\x02\x00\x00"
+    assert data == b"OVTL\x03\x00\x00\x00"
     assert decode_log(data) == RoundingLog(())
     assert EMPTY_LOG_DIGEST == hashlib.sha256(data).digest() == log_digest(data)
 
 
 def test_v1_log_is_rejected():
     v1 = bytes.fromhex("4f56544c01" "03" "05020003" "01" "0000" "ac02" "02" "810147" "02")
-    with pytest.raises(LogFormatError, match="unsupported version 1, expected 2.*byte offset 4"):
+    with pytest.raises(LogFormatError, match="unsupported version 1, expected 3.*byte offset 4"):
         decode_log(v1)
 
 
@@ -198,7 +198,7 @@ def naive_encode(log: RoundingLog) -> bytes:
             value >>= 7
         return out + bytes([value])
 
-    out = b"OVTL\x02" + varint(len(log.sites))
+    out = V + varint(len(log.sites))
     for s in log.sites:
         indices, up = [int(i) for i in s.indices], [bool(u) for u in s.up]
         out += varint(s.numel) + varint(len(indices))
@@ -257,14 +257,14 @@ def test_every_truncation_raises():
 # Golden set of corrupted encodings, each a variation of GOLDEN_BYTES (or a minimal log), with
 # the error each must raise (every site section ends in a valid empty value section, b"\x00").
 CORRUPT = {
-    "trailing_byte": (GOLDEN_BYTES + b"\x00", "1 trailing bytes.*offset 21"),
+    "trailing_byte": (GOLDEN_BYTES + b"\x00", "1 trailing bytes.*offset 22"),
     "bad_magic": (b"OVTX" + GOLDEN_BYTES[4:], "bad magic.*offset 0"),
-    "bad_version": (b"OVTL\x03" + GOLDEN_BYTES[5:], "unsupported version 3.*offset 4"),
-    "v1": (b"OVTL\x01" + GOLDEN_BYTES[5:-1], "unsupported version 1, expected 2.*offset 4"),
-    "non_minimal_site_count": (V + b"\x80\x00\x00", "non-minimal varint.*offset 5"),
-    "non_minimal_numel": (V + b"\x01\x85\x00\x00\x00", "non-minimal varint.*offset 6"),
+    "bad_version": (b"OVTL\x04" + GOLDEN_BYTES[5:], "unsupported version 4.*offset 4"),
+    "v1": (b"OVTL\x01" + GOLDEN_BYTES[5:-1], "unsupported version 1, expected 3.*offset 4"),
+    "non_minimal_site_count": (V + b"\x80\x00\x00", "non-minimal varint.*offset 6"),
+    "non_minimal_numel": (V + b"\x01\x85\x00\x00\x00", "non-minimal varint.*offset 7"),
     "non_minimal_delta": (V + b"\x01\x05\x01\x83\x00\x00\x00",
-                          "site 0: non-minimal varint in index delta 0.*offset 8"),
+                          "site 0: non-minimal varint in index delta 0.*offset 9"),
     "varint_over_2_63": (V + b"\x01" + b"\xff" * 9 + b"\x01" + b"\x00\x00", "longer|exceeds"),
     "varint_ten_bytes_zero_end": (V + b"\x01" + b"\xff" * 9 + b"\x00" + b"\x00\x00",
                                   "longer|non-minimal"),
@@ -278,7 +278,7 @@ CORRUPT = {
     "nonzero_padding": (V + b"\x01\x05\x01\x02\x02\x00", "site 0: nonzero padding"),
     "too_many_sites_for_bytes": (V + b"\x05\x00\x00", "5 sites need"),
     "truncated_directions": (V + b"\x01\x05\x01\x02", "truncated site 0 direction"),
-    "missing_value_section": (GOLDEN_BYTES[:-1], "truncated varint \\(value count\\).*offset 20"),
+    "missing_value_section": (GOLDEN_BYTES[:-1], "truncated varint \\(value count\\).*offset 21"),
 }
 
 
@@ -291,65 +291,65 @@ def test_corrupt_inputs_raise(name):
 
 
 def test_error_names_site_and_offset():
-    with pytest.raises(LogFormatError, match=r"site 1: entry 0 index out of range.*byte offset 10"):
+    with pytest.raises(LogFormatError, match=r"site 1: entry 0 index out of range.*byte offset 11"):
         decode_log(V + b"\x02\x00\x00\x05\x01\x05\x00\x00")
 
 
 # A site section for the value-section cases: 2 sites; site 0 has numel 5 and one direction
 # entry at index 2 (delta 02, direction byte 01); site 1 has numel 3 and none. Offset 12 is the
-# value count, offset 13 the first value entry.
+# value count, offset 14 the first value entry.
 SITES = V + b"\x02" + b"\x05\x01\x02\x01" + b"\x03\x00"
 VALID_VALUES = SITES + b"\x02" + b"\x00\x00\x07" + b"\x01\x01\xff\x01"
 BIG = b"\xff" * 8 + b"\x7f"  # 2**63 - 1, the largest varint
 CORRUPT_VALUES = {
     "non_minimal_site": (b"\x01\x80\x00\x00\x07", r"value entry 0: non-minimal varint \(site\)"
-                         r".*offset 13"),
+                         r".*offset 14"),
     "non_minimal_index": (b"\x01\x00\x80\x00\x07", r"value entry 0: non-minimal varint "
-                          r"\(index\).*offset 14"),
+                          r"\(index\).*offset 15"),
     "non_minimal_bits": (b"\x01\x00\x00\x87\x00", r"value entry 0: non-minimal varint "
-                         r"\(bits\).*offset 15"),
+                         r"\(bits\).*offset 16"),
     "non_minimal_later_bits": (b"\x02\x00\x00\x07\x01\x01\xff\x81\x00",
-                               r"value entry 1: non-minimal varint \(bits\).*offset 18"),
+                               r"value entry 1: non-minimal varint \(bits\).*offset 19"),
     "ten_byte_varint": (b"\x01\x00\x00" + b"\xff" * 9 + b"\x01",
-                        r"value entry 0: varint exceeds 2\*\*63 - 1 \(bits\).*offset 15"),
+                        r"value entry 0: varint exceeds 2\*\*63 - 1 \(bits\).*offset 16"),
     "site_equals_n_sites": (b"\x01\x02\x00\x07", r"value entry 0: site 2 out of range \[0, 2\)"
-                            r".*offset 13"),
+                            r".*offset 14"),
     "site_delta_beyond_n_sites": (b"\x02\x01\x00\x07\x01\x00\x07",
-                                  r"value entry 1: site 2 out of range.*offset 16"),
+                                  r"value entry 1: site 2 out of range.*offset 17"),
     "site_delta_huge": (b"\x02\x00\x00\x07" + BIG + b"\x00\x07",
-                        r"value entry 1: site 9223372036854775807 out of range.*offset 16"),
+                        r"value entry 1: site 9223372036854775807 out of range.*offset 17"),
     # Deltas summing to 2**64 would bring the site back to 0 (out of order) if they wrapped.
     "site_wraps_around": (b"\x04\x00\x00\x07\x01\x00\x07" + BIG + b"\x00\x07"
                           + b"\x81\x80\x80\x80\x80\x80\x80\x80\x7f\x00\x07",
-                          r"value entry 2: site 9223372036854775808 out of range.*offset 19"),
+                          r"value entry 2: site 9223372036854775808 out of range.*offset 20"),
     "index_equals_numel": (b"\x01\x00\x05\x07",
-                           r"site 0: value entry 0 index 5 out of range \[0, 5\).*offset 14"),
+                           r"site 0: value entry 0 index 5 out of range \[0, 5\).*offset 15"),
     "index_beyond_numel_later_site": (b"\x02\x00\x00\x07\x01\x03\x07",
                                       r"site 1: value entry 1 index 3 out of range \[0, 3\)"
-                                      r".*offset 17"),
+                                      r".*offset 18"),
     "later_index_beyond_numel": (b"\x02\x00\x00\x07\x00\x04\x07",
-                                 r"site 0: value entry 1 index 5 out of range.*offset 17"),
+                                 r"site 0: value entry 1 index 5 out of range.*offset 18"),
     # Gaps summing to 2**64 would repeat index 0 if they wrapped.
     "index_wraps_around": (b"\x03\x00\x00\x07\x00" + BIG + b"\x07\x00" + BIG + b"\x07",
                            r"site 0: value entry 1 index 9223372036854775808 out of range"),
     "index_is_a_direction_entry": (b"\x01\x00\x02\x07",
                                    r"site 0: value entry 0 index 2 is also a direction entry"
-                                   r".*offset 14"),
+                                   r".*offset 15"),
     "later_index_is_a_direction_entry": (b"\x02\x00\x00\x07\x00\x01\x07",
                                          r"site 0: value entry 1 index 2 is also a direction"
-                                         r".*offset 17"),
+                                         r".*offset 18"),
     "bits_2_32": (b"\x01\x00\x00\x80\x80\x80\x80\x10",
-                  r"site 0: value entry 0 bits 4294967296 exceed 2\*\*32 - 1.*offset 15"),
+                  r"site 0: value entry 0 bits 4294967296 exceed 2\*\*32 - 1.*offset 16"),
     "bits_2_63": (b"\x01\x00\x00" + BIG, r"site 0: value entry 0 bits .* exceed"),
-    "trailing_byte": (VALID_VALUES[12:] + b"\x00", r"1 trailing bytes.*offset 20"),
-    "trailing_entry": (b"\x01\x00\x00\x07\x01\x01\x07", r"3 trailing bytes.*offset 16"),
+    "trailing_byte": (VALID_VALUES[len(SITES):] + b"\x00", r"1 trailing bytes.*offset 21"),
+    "trailing_entry": (b"\x01\x00\x00\x07\x01\x01\x07", r"3 trailing bytes.*offset 17"),
     "count_too_large_for_bytes": (b"\x03\x00\x00\x07\x01\x01\x07\x00",
-                                  r"truncated: 3 value entries need >= 9 bytes, 7 left.*offset 12"),
-    "count_huge": (BIG + b"\x00\x00\x07", r"entries exceed the limit.*offset 12"),
+                                  r"truncated: 3 value entries need >= 9 bytes, 7 left.*offset 13"),
+    "count_huge": (BIG + b"\x00\x00\x07", r"entries exceed the limit.*offset 13"),
     "count_over_free_elements": (b"\x08" + b"\x00\x00\x00" + b"\x00\x00\x00" * 7,
-                                 r"8 value entries for 7 elements.*offset 12"),
+                                 r"8 value entries for 7 elements.*offset 13"),
     "count_of_varints_short": (b"\x02\x00\x00\x07\x01\x81\x81",
-                               r"truncated value entries \(needs 6 varints\).*offset 13"),
+                               r"truncated value entries \(needs 6 varints\).*offset 14"),
 }
 
 
@@ -483,11 +483,11 @@ def test_decode_plausible_sites_only_raises_log_format_error(parts):
 def test_size_report_on_known_log():
     report = size_report(GOLDEN_LOG)
     assert report == size_report(GOLDEN_BYTES)
-    assert report == LogSize(encoded_bytes=21, entries=4, elements=305)
-    assert report.bytes_per_element == pytest.approx(21 / 305)
-    assert report.bits_per_entry == pytest.approx(42.0)
+    assert report == LogSize(encoded_bytes=22, entries=4, elements=305)
+    assert report.bytes_per_element == pytest.approx(22 / 305)
+    assert report.bits_per_entry == pytest.approx(44.0)
     assert report.dense_ternary_bytes == 61  # ceil(305 * 1.6 / 8)
-    assert report.ratio_to_dense == pytest.approx(21 / 61)
+    assert report.ratio_to_dense == pytest.approx(22 / 61)
 
 
 def test_size_report_counts_value_entries():
@@ -498,7 +498,7 @@ def test_size_report_counts_value_entries():
 
 def test_size_report_empty():
     report = size_report(RoundingLog(()))
-    assert (report.encoded_bytes, report.entries, report.elements) == (7, 0, 0)
+    assert (report.encoded_bytes, report.entries, report.elements) == (8, 0, 0)
     assert report.bits_per_entry == report.bytes_per_element == report.ratio_to_dense == 0.0
 
 
@@ -560,3 +560,65 @@ def test_decode_random_value_sections_only_raises_log_format_error(section):
     except LogFormatError:
         return
     assert encode_log(log) == candidate
+
+
+# ---- micro-batch parts (format v3, SPEC §3.5) ---------------------------------------------------
+
+PARTS_LOG = RoundingLog(GOLDEN_LOG.sites, (1, 1))
+# magic, version 3, 2 parts of 1 site each, then GOLDEN_LOG's sites and value section
+PARTS_BYTES = bytes.fromhex("4f56544c03" "02" "01" "01") + GOLDEN_BYTES[6:]
+
+
+def test_golden_bytes_with_parts():
+    assert encode_log(PARTS_LOG) == PARTS_BYTES
+    assert decode_log(PARTS_BYTES) == PARTS_LOG
+    assert decode_log(PARTS_BYTES) != GOLDEN_LOG  # the parts are part of the log (and of ℓ_t)
+
+
+def test_a_log_splits_into_its_parts_and_tail():
+    log = RoundingLog(GOLDEN_LOG.sites, (2, 1))
+    assert log.part(0) == RoundingLog(GOLDEN_LOG.sites[:2], (2,))
+    assert log.part(1) == RoundingLog(GOLDEN_LOG.sites[2:], (1,))
+    assert log.part(2) == RoundingLog(())  # the tail: nothing after the parts here
+    assert [log.first_site(i) for i in range(3)] == [0, 2, 3]
+    assert RoundingLog(GOLDEN_LOG.sites, (1,)).part(1) == RoundingLog(GOLDEN_LOG.sites[1:])
+    with pytest.raises(IndexError):
+        log.part(3)
+
+
+@pytest.mark.parametrize("parts, message", [
+    ((0, 1), "must each be >= 1"), ((2, 2), "sum to at most the 3 sites"),
+    ([1], "must be a tuple of ints"), ((1.0,), "must be a tuple of ints"),
+    ((True,), "must be a tuple of ints")])
+def test_bad_parts_do_not_encode(parts, message):
+    with pytest.raises(LogFormatError, match=message):
+        encode_log(RoundingLog(GOLDEN_LOG.sites, parts))
+
+
+CORRUPT_PARTS = {
+    "zero_part": (b"\x01\x00", "part 0 has no site.*offset 6"),
+    "parts_past_the_sites": (b"\x02\x02\x02", "parts of 4 sites in all for 3 sites"),
+    "non_minimal_part": (b"\x01\x81\x00", "non-minimal varint \\(part 0 site count\\).*offset 6"),
+    "part_count_beyond_the_bytes": (b"\x7f", "truncated: 127 parts need >= 127 bytes"),
+    "huge_part_count": (b"\xff" * 8 + b"\x7f", "parts exceed the limit of 10000000 sites"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPT_PARTS))
+def test_corrupt_parts_raise(name):
+    section, message = CORRUPT_PARTS[name]
+    with pytest.raises(LogFormatError, match=message):
+        decode_log(b"OVTL\x03" + section + GOLDEN_BYTES[6:])
+
+
+def test_truncated_parts_raise():
+    with pytest.raises(LogFormatError, match="truncated: 3 parts need >= 3 bytes, 1 left"):
+        decode_log(b"OVTL\x03\x03\x01")
+    with pytest.raises(LogFormatError, match="truncated varint \\(part 1 site count\\)"):
+        decode_log(b"OVTL\x03\x02\x01\x81")
+
+
+def test_a_part_count_over_the_site_limit_is_refused_before_the_parts_are_read():
+    many = b"OVTL\x03" + bytes([0xE8, 0x07]) + b"\x01" * 1000 + GOLDEN_BYTES[6:]  # 1000
+    with pytest.raises(LogFormatError, match="1000 parts exceed the limit of 10 sites"):
+        decode_log(many, max_sites=10)

@@ -187,7 +187,7 @@ def test_signing_message_layout():
     assert signing_message("x", body) == SIGNATURE_DOMAIN + encode(
         {"kind": "x", "protocol_version": PROTOCOL_VERSION, "body": body})
     assert SIGNATURE_DOMAIN == b"ovt-signature-v1\x00"
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3
 
 
 def test_claim_kind_signature_never_verifies_as_commitment(key):
