@@ -5,7 +5,10 @@
 
 For each program: record on the CPU (profile cpu-2t) and replay on CUDA, then record on CUDA and
 replay on the CPU, and the same with the bound adversary on the CPU side (SPEC §3.2): the
-certified bands must make all four bit-exact. The CUDA side runs with TF32, reduced-precision
+certified bands must make all four bit-exact. Then data-parallel steps (SPEC §3.5, 4
+micro-batches): a 2-process CUDA trainer replayed by one CPU process, and a 2-process CPU
+trainer replayed by one CUDA process (on CUDA the workers' tensors travel through CPU copies
+over gloo). The CUDA side runs with TF32, reduced-precision
 reductions and cuDNN pinned off (the executor does this for every step), so its float64 GEMMs
 are native IEEE arithmetic, as the reduction rule assumes. Prints one line per direction and
 exits 1 if any replay is not bit-exact, 2 if there is no CUDA device.
@@ -24,23 +27,31 @@ from protocol.engine.replaycheck import SideSpec, replay_check
 
 PROGRAMS = ("char-transformer", "image-cnn", "token-lm")
 DIRECTIONS = (("cpu-2t", "cuda"), ("cuda", "cpu-2t"), ("adversary", "cuda"), ("cuda", "adversary"))
+# (trainer, its processes, auditor, its processes), with 4 micro-batches
+PARALLEL = (("cuda", 2, "cpu-2t", 1), ("cpu-1t", 2, "cuda", 1))
 
 
-def check(program: str, preset: str, steps: int, trainer: str, auditor: str) -> bool:
+def check(program: str, preset: str, steps: int, trainer: str, auditor: str,
+          workers: tuple[int, int] = (1, 1)) -> bool:
     with tempfile.TemporaryDirectory(prefix="ovt-cuda-check-") as run_dir:
+        parallel = workers != (1, 1)
         common = dict(program=program, preset=preset, config={}, seed=0, init_seed=1,
-                      steps=steps, policy="float64->float32", mode="ovt", probe_steps=(1,),
-                      run_dir=run_dir)
+                      steps=steps, policy="float64->float32", mode="ovt",
+                      probe_steps=() if parallel else (1,), run_dir=run_dir,
+                      micro_batches=4 if parallel else 1)
         started = time.perf_counter()
-        result = replay_check(SideSpec(role="trainer", profile=trainer, **common),
-                              SideSpec(role="auditor", profile=auditor, **common))
+        result = replay_check(
+            SideSpec(role="trainer", profile=trainer, workers=workers[0], **common),
+            SideSpec(role="auditor", profile=auditor, workers=workers[1], **common))
         wall = time.perf_counter() - started
     s = result.summary()
     worst = max((d["max_fraction_of_bound"] for d in result.auditor.divergence.values()),
                 default=float("nan"))
     verdict = "BIT-EXACT" if result.bit_exact else \
         f"NOT bit-exact (first divergent step {s['first_divergent_step']})"
-    print(f"{program:17} {trainer:>9} -> {auditor:<9} {verdict}; {s['steps_compared']} steps, "
+    sides = f"{trainer}x{workers[0]} -> {auditor}x{workers[1]}" if parallel else \
+        f"{trainer:>9} -> {auditor:<9}"
+    print(f"{program:17} {sides} {verdict}; {s['steps_compared']} steps, "
           f"median step {1e3 * (s['median_trainer_step_s'] or 0):.0f} ms record / "
           f"{1e3 * (s['median_auditor_step_s'] or 0):.0f} ms replay, log entries/step "
           f"{s['median_entries']}, worst divergence {worst:.3g} of e (step 1), {wall:.0f} s",
@@ -63,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.steps} steps")
     ok = [check(program, args.preset, args.steps, trainer, auditor)
           for program in args.programs for trainer, auditor in DIRECTIONS]
+    ok += [check(program, args.preset, args.steps, trainer, auditor, (tw, aw))
+           for program in args.programs for trainer, tw, auditor, aw in PARALLEL]
     print(f"{sum(ok)}/{len(ok)} bit-exact")
     return 0 if all(ok) else 1
 
