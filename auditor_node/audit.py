@@ -8,11 +8,15 @@ has already verified from `<store>/<job id>/trainer-leaves.ovt` (see `leafcache`
 mismatch it writes the challenge (see `challenge`) to `<store>/<job id>/challenge.ovt`.
 
 With `processes` > 1 the replay is cut at the trainer's checkpoints and the intervals replay in
-that many worker processes (`protocol.job.intervals`), giving the same leaves and signed root.
-With `sample` = F it replays only a fraction F of the intervals, drawn where the trainer cannot
-foresee (`protocol.job.sampling`): finding nothing, the record is "sampled" — sampled, not
-verified — and the auditor signs nothing; a divergent sampled interval is replayed up to in
-full, signed and challenged exactly as a full audit's.
+that many worker processes (`protocol.job.intervals`), giving the same leaves and signed root;
+a trainer that refuses an S_c only makes the rest of the replay sequential. With `sample` = F
+it replays only a fraction F of the intervals, drawn once per job where the trainer can
+neither foresee nor steer it (`protocol.job.sampling`): finding nothing, the record is
+"sampled" — sampled, not verified — and the auditor signs nothing; a sampled interval that
+diverges, or whose S_c the trainer does not serve, is replayed up to in full from the
+auditor's own states, signed and challenged exactly as a full audit's. A sample of every
+interval, or of a job whose trainer signed another root than the one sampled before, runs as
+a full audit, and the record's `note` says why.
 
     record = run_audit("127.0.0.1:50051", job_id, Path("auditor-store"), KeyPair.load(path),
                        Profile.parse("emulated-gpu"))
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +49,7 @@ from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS, locate_data_file, require_model_size
 from protocol.job.intervals import IntervalRunner, replay_in_intervals
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
-from protocol.job.sampling import Sample, require_fraction, sample_job
+from protocol.job.sampling import Sample, SampleOutcome, require_fraction, sample_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -57,7 +61,7 @@ MATCHED, DIVERGED, SAMPLED, FAILED = "matched", "diverged", "sampled", "failed"
 VERDICTS = (MATCHED, DIVERGED, SAMPLED, FAILED)
 _RECORD_FIELDS = ("job_id", "state", "steps", "replayed", "divergent_step", "reason",
                   "trainer_commitment", "auditor_commitment", "challenge", "error")
-_SAMPLE_FIELD = "sample"  # only in the records of sampled audits
+_SAMPLE_FIELD, _NOTE_FIELD = "sample", "note"  # only in the records that have them
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,14 @@ class AuditRecord:
     """The outcome of one audit.
 
     state: matched | diverged | sampled | failed; steps: the job's steps; replayed: the steps
-    the auditor's commitment covers (sampled: the steps its sample replayed);
-    divergent_step/reason: the first step that differs and why (diverged; sampled: the
-    sample's "sampled, not verified" report); trainer_commitment/auditor_commitment: both
-    signed roots (absent when the audit failed before reaching them; a sampled audit that
-    found nothing signs none); challenge: where the challenge was written; error: why it
-    failed; sample: the intervals a sampled audit replayed (None for a full audit).
+    the auditor's commitment covers (sampled: how many distinct steps it replayed, a count,
+    not where it stopped); divergent_step/reason: the first step that differs and why
+    (diverged; sampled: the sample's "sampled, not verified" report);
+    trainer_commitment/auditor_commitment: both signed roots (absent when the audit failed
+    before reaching them; a sampled audit that found nothing signs none); challenge: where the
+    challenge was written; error: why it failed; sample: the intervals a sampled audit drew
+    (None for a full audit); note: why an audit asked to sample replayed more than its sample
+    (ran in full, or escalated because the trainer did not serve an S_c), None otherwise.
     """
 
     job_id: bytes
@@ -84,6 +90,7 @@ class AuditRecord:
     challenge: Path | None = None
     error: str | None = None
     sample: Sample | None = None
+    note: str | None = None
 
     @classmethod
     def failed(cls, job_id: bytes, error: str) -> AuditRecord:
@@ -91,7 +98,8 @@ class AuditRecord:
 
     def to_bytes(self) -> bytes:
         """Canonical bytes (the runner keeps each verdict in the auditor's store). The sample
-        field is present only when set, so a full audit's record is what it always was."""
+        and note fields are present only when set, so a full audit's record is what it always
+        was."""
         body = {
             "job_id": self.job_id, "state": self.state, "steps": self.steps,
             "replayed": self.replayed, "divergent_step": self.divergent_step,
@@ -101,6 +109,8 @@ class AuditRecord:
             "challenge": None if self.challenge is None else str(self.challenge)}
         if self.sample is not None:
             body[_SAMPLE_FIELD] = self.sample.to_body()
+        if self.note is not None:
+            body[_NOTE_FIELD] = self.note
         return encode(body)
 
     @classmethod
@@ -112,10 +122,14 @@ class AuditRecord:
 
     @classmethod
     def _from_body(cls, body: object) -> AuditRecord:
-        sample = None
-        if isinstance(body, dict) and _SAMPLE_FIELD in body:
+        sample = note = None
+        if isinstance(body, dict):
             body = dict(body)
-            sample = Sample.from_body(body.pop(_SAMPLE_FIELD))
+            if _SAMPLE_FIELD in body:
+                sample = Sample.from_body(body.pop(_SAMPLE_FIELD))
+            note = body.pop(_NOTE_FIELD, None)
+            if note is not None and type(note) is not str:
+                raise EncodingError("audit record note must be str")
         body = require_fields("an audit record", body, _RECORD_FIELDS)
         if body["state"] not in VERDICTS:
             raise EncodingError(f"an audit record's state is one of {', '.join(VERDICTS)}")
@@ -128,7 +142,8 @@ class AuditRecord:
                            ("trainer_commitment", bytes), ("auditor_commitment", bytes)):
             if body[name] is not None and type(body[name]) is not kind:
                 raise EncodingError(f"audit record {name} must be {kind.__name__} or none")
-        return cls(**{**body, "sample": sample, "challenge": _opt(body["challenge"], Path),
+        return cls(**{**body, "sample": sample, "note": note,
+                      "challenge": _opt(body["challenge"], Path),
                       "trainer_commitment": _opt(body["trainer_commitment"],
                                                  SignedCommitment.from_bytes),
                       "auditor_commitment": _opt(body["auditor_commitment"],
@@ -150,12 +165,13 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               max_params: int = DEFAULT_MAX_PARAMS,
               deadline_s: float = DEFAULT_DEADLINE_S,
               hooks: StepHooks | None = None, data_dir: Path | None = None,
-              processes: int = 1, sample: float | None = None) -> AuditRecord:
+              processes: int = 1, sample: float | None = None,
+              check_stop: Callable[[], None] | None = None) -> AuditRecord:
     """Audit job `job_id` as served by the trainer at `trainer_address` (see module docstring).
 
     Returns a matched, diverged or (with `sample`) sampled record. Raises ConfigError for a
-    malformed job id or address, fewer than one process or a `sample` outside 0 < F <= 1
-    (all checked before the trainer is asked anything),
+    malformed job id or address, fewer than one process or more than `usable_cpus()`, or a
+    `sample` outside 0 < F <= 1 (all checked before the trainer is asked anything),
     PeerError for a trainer that does not answer or answers with anything that does not verify
     (a spec that does not hash to `job_id` included), ConfigError for a job whose program is
     neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
@@ -164,18 +180,21 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     program source differs from the job's, ConfigError for a job whose data file is not in
     `data_dir` (or leaves it, or `data_dir` is None: checked before the job's store is made) or
     differs from the committed one, StoreError for a damaged store; and whatever `progress`
-    raises (the audit then resumes from the store on the next call).
+    or `check_stop` raises (the audit then resumes from the store on the next call).
 
     `processes` > 1 replays the intervals between the trainer's checkpoints in that many
     worker processes (`replay_in_intervals`); `sample` = F replays a fraction F of them
-    (`sample_job`). `hooks` is FAULT INJECTION only (a lying auditor, `auditor_node.faults`),
-    passed to the replay (to each worker process too); None audits honestly.
+    (`sample_job`). `check_stop` (the daemon's; None: never) is asked between steps and, while
+    worker processes replay, every `protocol.job.intervals.POLL_S` seconds, so that a stop
+    does not wait for a whole interval. `hooks` is FAULT INJECTION only (a lying auditor,
+    `auditor_node.faults`), passed to the replay (to each worker process too); None audits
+    honestly.
     """
     if not isinstance(job_id, bytes) or len(job_id) != 32:
         raise ConfigError("a job id is 32 bytes (64 hex digits)")
-    runner = IntervalRunner(processes, RemoteStates(trainer_address, tls_ca,  # checks P >= 1
+    runner = IntervalRunner(processes, RemoteStates(trainer_address, tls_ca,  # checks P
                                                     allow_remote_plaintext, deadline_s),
-                            profile, hooks=hooks, data_dir=data_dir)
+                            profile, hooks=hooks, data_dir=data_dir, check_stop=check_stop)
     if sample is not None:
         require_fraction(sample)
     with make_channel(trainer_address, tls_ca=tls_ca,
@@ -203,9 +222,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
             if sampled is None:
                 return _record(channel, store, outcome, deadline_s)
             if outcome is None:  # no sampled interval diverged
-                return _sampled_record(spec, sampled.trainer_commitment, sampled.sample)
+                return _sampled_record(spec, sampled)
             return dataclasses.replace(_record(channel, store, outcome, deadline_s),
-                                       sample=sampled.sample)
+                                       sample=sampled.sample, note=sampled.note)
         finally:
             store.close()
 
@@ -226,11 +245,15 @@ def fetch_spec(channel: grpc.Channel, job_id: bytes, deadline_s: float) -> JobSp
         raise PeerError(f"the trainer's spec does not decode: {err}") from None
 
 
-def _sampled_record(spec: JobSpec, trainer: SignedCommitment, sample: Sample) -> AuditRecord:
+def _sampled_record(spec: JobSpec, sampled: SampleOutcome) -> AuditRecord:
     """A sampled audit that found nothing: no commitment of the auditor's, no challenge."""
+    sample = sampled.sample
+    assert sample is not None  # an audit run in full has its outcome
     return AuditRecord(job_id=spec.job_id, state=SAMPLED, steps=spec.steps,
-                       replayed=sample.replayed_steps, reason=sample.describe(),
-                       trainer_commitment=trainer, sample=sample)
+                       replayed=sample.replayed_steps(sampled.prefix),
+                       reason=sample.describe(sampled.prefix),
+                       trainer_commitment=sampled.trainer_commitment, sample=sample,
+                       note=sampled.note)
 
 
 def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,

@@ -7,10 +7,12 @@
         --key auditor.key [--profile emulated-gpu] [--tls-ca CA] [--json] \\
         [--processes P] [--sample F]
 
-`--processes P` replays the intervals between the trainer's checkpoints in P worker processes
-(same signed root as one); `--sample F` replays only a fraction F of them, drawn where the
-trainer cannot foresee (`protocol.job.sampling`), and reports "sampled, not verified" with the
-probability that a cheat would have been caught.
+`--processes P` (at most the CPUs this process may use) replays the intervals between the
+trainer's checkpoints in P worker processes (same signed root as one); `--sample F` replays
+only a fraction F of them, drawn once per job where the trainer can neither foresee nor steer
+it (`protocol.job.sampling`), and reports "sampled, not verified" with the probability that a
+cheat would have been caught. A sample that holds every interval (F = 1) is a full audit: it
+signs, and exits 0 when the roots match.
 
 Exit codes: 0 success (audit: the roots match: verified), 1 the audit diverged (the challenge
 is written), 4 a sampled audit found no divergence (sampled, NOT verified: never 0), 2 an
@@ -35,6 +37,7 @@ from protocol.errors import ConfigError
 from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
+from protocol.job.intervals import require_processes
 from protocol.job.sampling import REPORTED_CHEATS, Sample
 
 from .audit import DIVERGED, MATCHED, SAMPLED, AuditRecord, run_audit
@@ -81,13 +84,15 @@ def _parser() -> argparse.ArgumentParser:
                                   "file.py:function) jobs may run here; built-ins always may")
         command.add_argument("--processes", default="1", metavar="P",
                              help="replay the intervals between the trainer's checkpoints in "
-                                  "P worker processes, each on cores/P threads (default: 1, "
-                                  "one sequential replay); the signed root is the same")
+                                  "P worker processes (at most the CPUs this process may use), "
+                                  "each on cores/P threads (default: 1, one sequential "
+                                  "replay); the signed root is the same")
         command.add_argument("--sample", metavar="F",
                              help="replay only a fraction F (0 < F <= 1) of the intervals, "
-                                  "chosen from a seed the trainer cannot predict; finding "
-                                  "nothing is SAMPLED, NOT VERIFIED (exit 4), and signs "
-                                  "nothing")
+                                  "drawn once per job from a seed the trainer cannot predict; "
+                                  "finding nothing is SAMPLED, NOT VERIFIED (exit 4), and "
+                                  "signs nothing; a sample of every interval (F = 1) is a "
+                                  "full audit")
         command.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
                              help="the largest built-in model (in parameters, counted from the "
                                   "job's config before anything is built) a trainer's job may "
@@ -112,14 +117,19 @@ def _fault(text: str) -> Fault:
 
 
 def _processes(text: str) -> int:
-    """--processes: a whole number >= 1. Raises ConfigError (one line, exit 2)."""
+    """--processes: a whole number from 1 to the CPUs this process may use. Raises
+    ConfigError (one line, exit 2)."""
     try:
         processes = int(text)
     except ValueError:
         processes = 0
     if processes < 1:
         raise ConfigError(f"--processes must be a whole number >= 1, got {text!r}")
-    return processes
+    try:
+        return require_processes(processes)
+    except ConfigError as err:
+        raise ConfigError(f"--processes must be at most the CPUs this process may use, got "
+                          f"{text!r}: {err}") from None
 
 
 def _sample(text: str | None) -> float | None:
@@ -199,17 +209,18 @@ def _audit(args) -> int:
 
 def verdict_line(record: AuditRecord) -> str:
     job = record.job_id.hex()
+    note = f" ({record.note})" if record.note else ""
     if record.state == MATCHED:
         return (f"job {job}: MATCHED: {record.steps} steps replayed, root "
-                f"{record.auditor_commitment.commitment.root.hex()}")
+                f"{record.auditor_commitment.commitment.root.hex()}{note}")
     if record.state == SAMPLED:
-        return f"job {job}: SAMPLED, NOT VERIFIED: {record.reason}"
+        return f"job {job}: SAMPLED, NOT VERIFIED: {record.reason}{note}"
     where = f"; challenge written to {record.challenge}" if record.challenge else ""
     found = (f" (found by a sampled audit of {len(record.sample.chosen)} of "
              f"{record.sample.intervals} intervals, then replayed in full up to it)"
              if record.sample and record.state == DIVERGED else "")
     return (f"job {job}: DIVERGED at step {record.divergent_step}: {record.reason}{found}"
-            f"{where}")
+            f"{note}{where}")
 
 
 def record_json(record: AuditRecord) -> dict:
@@ -223,14 +234,16 @@ def record_json(record: AuditRecord) -> dict:
             "auditor_public_key": None if record.auditor_commitment is None else
             record.auditor_commitment.commitment.public_key.hex(),
             "challenge": None if record.challenge is None else str(record.challenge),
+            "note": record.note,
             "sample": None if record.sample is None else sample_json(record.sample)}
 
 
 def sample_json(sample: Sample) -> dict:
-    """A sample as JSON: what was replayed, and the catch probabilities it gives (floats)."""
+    """A sample as JSON: the intervals drawn, their steps (the record's `replayed` counts every
+    step replayed), and the catch probabilities they give (floats)."""
     return {"verified": False, "intervals": sample.intervals,
             "sampled": [[iv.first, iv.last] for iv in sample.chosen],
-            "steps_replayed": sample.replayed_steps,
+            "steps_replayed": sample.replayed_steps(),
             "catch_probability_at_least": float(sample.caught(1)[0]),
             "catch_probability_distinct_intervals": {
                 str(m): float(sample.caught(m)[1]) for m in REPORTED_CHEATS

@@ -1,9 +1,10 @@
 """Audits from a queue, one at a time on one thread, with a status per job for watchers.
 
 `AuditRunner.submit` starts an audit, or joins the one already queued, running or decided for
-that job (a failed audit is started again). Each status change bumps the status's `version`, so
-`wait` can block until there is something new; the queue, its worker thread and the wake-ups
-are the daemons' shared `protocol.job.queue.JobQueue`.
+that job (a failed audit is started again, and so is a sampled one when this runner audits in
+full: "sampled, not verified" is no verdict a full audit may join). Each status change bumps
+the status's `version`, so `wait` can block until there is something new; the queue, its worker
+thread and the wake-ups are the daemons' shared `protocol.job.queue.JobQueue`.
 
 The runner keeps two files per job in the auditor's store, both canonical bytes:
 `audit-request.ovt` (the trainer's address, written when the audit is queued) and `audit.ovt`
@@ -14,7 +15,7 @@ job's store exists (its spec never fetched and verified) leaves no directory: th
 kept in memory only, so requests for jobs the trainer does not have cost no disk, and only the
 latest MAX_UNSTORED_FAILURES of them are kept, so they cost bounded memory too (an older one is
 forgotten: GetAudit answers NOT_FOUND for it, and Audit starts it afresh). `stop` interrupts a
-running audit after its current step.
+running audit after its current step, also while worker processes replay it (`check_stop`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class AuditStatus:
     job_id: bytes
     trainer: str
     state: str  # queued | running | matched | diverged | sampled | failed
-    step: int = 0
+    step: int = 0  # running: the last step done; ended: the record's `replayed` (a count)
     steps: int = 0
     record: AuditRecord | None = None
     version: int = 0
@@ -128,10 +129,12 @@ class AuditRunner:
 
     def submit(self, job_id: bytes, trainer: str) -> AuditStatus:
         """Queue an audit of `job_id` at `trainer`, or join the one already under way or decided
-        (a failed one is queued again). Raises ResourceLimitError when MAX_PENDING are waiting."""
+        (a failed one is queued again, and a sampled one when this runner audits in full).
+        Raises ResourceLimitError when MAX_PENDING are waiting."""
         with self._queue.lock:
             current = self._queue.get(job_id)
-            if current is not None and current.state != FAILED:
+            if current is not None and current.state != FAILED and not (
+                    current.state == SAMPLED and self.sample is None):
                 return current
             self._queue.require_room()  # before anything is written
             self._unstored_failures.pop(job_id, None)  # queued again: not a failure to drop
@@ -183,7 +186,9 @@ class AuditRunner:
                                     {"data_dir": self.data_dir}),
                                  **({} if self.processes == 1 else
                                     {"processes": self.processes}),
-                                 **({} if self.sample is None else {"sample": self.sample}))
+                                 **({} if self.sample is None else {"sample": self.sample}),
+                                 **({} if self.processes == 1 and self.sample is None else
+                                    {"check_stop": self._queue.check_stop}))
         except Stopped:
             return  # no record: `recover` queues it again on the next start
         except OvtError as err:

@@ -1,8 +1,9 @@
 """The Auditor gRPC service (ovt.v1.Auditor): the edge between peers and the `AuditRunner`.
 
 Audit starts (or joins) an audit and answers at once; GetAudit reports where it stands;
-WatchAudit streams a report on every change until the audit is matched, diverged or failed;
-GetChallenge hands an arbiter the challenge a diverged audit filed (SPEC §5.1).
+WatchAudit streams a report on every change until the audit is matched, diverged, sampled
+(sampled, not verified: its reason says what it replayed, and `step` counts those steps) or
+failed; GetChallenge hands an arbiter the challenge a diverged audit filed (SPEC §5.1).
 Requests are validated here and every problem becomes a status code with a one-line message:
 a job id that is not 32 bytes or a missing or malformed trainer address is INVALID_ARGUMENT, an
 audit this node has never heard of NOT_FOUND, a full queue RESOURCE_EXHAUSTED. No stack trace
@@ -23,13 +24,15 @@ WATCH_POLL_S = 1.0  # how often a watcher notices a cancelled client or a stoppi
 
 
 def report(status: AuditStatus) -> ovt_pb2.AuditReport:
-    """The wire form of a status (the auditor's signed commitment once it has one)."""
+    """The wire form of a status (the auditor's signed commitment once it has one); the
+    reason is the record's, then its note (why it replayed more than its sample) if any."""
     record = status.record
     signed = record.auditor_commitment if record else None
     divergent = record.divergent_step if record else None
+    reason = "; ".join(filter(None, (record.reason, record.note))) if record else ""
     return ovt_pb2.AuditReport(
         job_id=status.job_id, state=status.state, step=status.step, steps=status.steps,
-        divergent_step=divergent or 0, reason=(record.reason or "") if record else "",
+        divergent_step=divergent or 0, reason=reason,
         commitment=signed.to_bytes() if signed else b"",
         error=(record.error or "") if record else "")
 

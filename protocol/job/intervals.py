@@ -13,6 +13,14 @@ store. Stitched into the auditor's store in step order (`replay_in_intervals`), 
 `protocol.job.run.replay_job`'s leaves, root and signed commitment, and the first divergent
 step of the first interval that diverges is the challenge of SPEC §5.1, as there.
 
+The trainer's S_c only buys parallelism; an audit never depends on it. The first interval of
+a replay starts where the auditor's store ends (S_0, or S_t after a crash), so the parent
+replays it from its own state while the workers take the later ones; and when a worker's
+interval cannot start because the trainer refused its S_c or served one that is not its h_c,
+every earlier interval has been stitched, so the parent continues from its own S_c, step by
+step to the end as `replay_job` would, and the audit ends matched or diverged as a sequential
+one does. Only refusing S_0, leaves or rounding logs fails an audit, sequential or not.
+
 A worker writes what it replayed to a segment folder in the auditor's store
 (`<store>/<job id>/intervals/<first>-<last>/`: each step's log, and the last step's state when
 a checkpoint is due there) and returns the leaves it computed; the parent stitches them into
@@ -21,6 +29,11 @@ the folder. Segments are scratch: after a crash the store keeps every leaf stitc
 (durable as ever) and the next audit replays the other intervals again. Nothing crosses between
 processes but this module's dataclasses, files the auditor itself wrote, and what `sources`
 fetches in the worker: nothing from a peer is ever unpickled.
+
+At most P intervals are in the workers' hands at once, and the parent waits for them in short
+polls of the runner's `check_stop`, so stopping an audit takes a step, not an interval: closing
+the results cancels what has not started, lets each worker end its step, and terminates the
+workers still busy after GRACE_S.
 
     runner = IntervalRunner(2, sources, Profile.parse("emulated-gpu"))
     outcome = replay_in_intervals(store, claims, key, runner)  # = replay_job's outcome
@@ -32,8 +45,10 @@ import dataclasses
 import multiprocessing
 import os
 import shutil
-from collections.abc import Callable, Generator, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
@@ -43,8 +58,8 @@ from typing import Protocol
 import safetensors.torch
 import torch
 
-from protocol.codec.roundinglog import log_digest
 from protocol.codec.state import load_safetensors, state_digest
+from protocol.commit.commitments import SignedCommitment
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.engine.executor import Executor
@@ -52,7 +67,6 @@ from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, PeerError, StateFormatError, StoreError, WorkerError
 from protocol.job.create import job_executor
 from protocol.job.run import (
-    STATE_DIFFERS,
     AuditOutcome,
     ClaimSource,
     Progress,
@@ -60,12 +74,15 @@ from protocol.job.run import (
     begin_replay,
     finish_replay,
     replay_step,
+    replay_steps,
 )
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore, checkpoint_due
 
 SEGMENTS = "intervals"  # the scratch folder under a job's store
 _STATE_FILE = "state.safetensors"
+POLL_S = 0.2  # how often a wait for a worker asks whether the audit is stopping
+GRACE_S = 2.0  # how long closed workers may take to end their step before they are terminated
 
 
 @dataclass(frozen=True, order=True)
@@ -102,9 +119,30 @@ def plan_intervals(spec: JobSpec, after: int = 0, upto: int | None = None) -> li
     return plan
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS keeps one (Linux),
+    else every CPU the machine has (`os.cpu_count()`, 1 when unknown)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+
+def require_processes(processes: object) -> int:
+    """`processes` if it is a whole number from 1 to `usable_cpus()` (not a bool), else
+    ConfigError: more worker processes than CPUs only slow each other down."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ConfigError(f"the number of audit processes must be at least 1, got "
+                          f"{processes!r}")
+    cpus = usable_cpus()
+    if processes > cpus:
+        raise ConfigError(f"{processes} audit processes are more than the {cpus} CPUs this "
+                          f"process may use")
+    return processes
+
+
 class StateSource(Protocol):
     """What a worker reads from the trainer: S_t and L_t's bytes, unchecked (`replay_interval`
-    checks them against the trainer's leaves), and `close` when the worker is done."""
+    checks them against the trainer's leaves), and `close` when the worker is done. `state`
+    raises PeerError when the trainer does not serve S_t."""
 
     def state(self, step: int) -> dict[str, torch.Tensor]: ...
 
@@ -127,13 +165,16 @@ class IntervalTask:
 class IntervalResult:
     """An interval as replayed: the auditor's leaves from `first` on (ending at the first
     divergent step, included when it was replayed: a rejected log is not), and that step and
-    its reason (None: every leaf matched the trainer's)."""
+    its reason (None: every leaf matched the trainer's). `unstarted`: why the interval could
+    not start — the trainer did not serve S_start, or served one that is not its h_start —
+    with no leaves (None: it started)."""
 
     interval: Interval
     leaves: tuple[Leaf, ...]
     divergent_step: int | None
     reason: str | None
     segment: Path
+    unstarted: str | None = None
 
 
 def make_task(store: JobStore, source: ClaimSource, interval: Interval) -> IntervalTask:
@@ -144,21 +185,30 @@ def make_task(store: JobStore, source: ClaimSource, interval: Interval) -> Inter
 
 
 def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: Executor,
-                    hooks: StepHooks | None = None) -> IntervalResult:
+                    hooks: StepHooks | None = None, held: bytes | None = None
+                    ) -> IntervalResult:
     """Replay `task`'s interval on `ex` from the trainer's S_start, writing its segment.
 
-    Each step is `protocol.job.run.replay_step`'s: the trainer's log checked against its leaf,
-    then replayed; the interval stops at the first step whose log is rejected or whose state
-    hash differs from the trainer's. Raises PeerError for an S_start that does not hash to the
-    trainer's h_start (S_0: to the job's h_0), and what `source`, the step and the filesystem
-    raise."""
+    `held` is the hash of the state `ex` already holds (None: unknown); when it is the
+    trainer's h_start (S_0: the job's h_0), the trainer is not asked for S_start again. Each
+    step is `protocol.job.run.replay_step`'s: the trainer's log checked against its leaf, then
+    replayed; the interval stops at the first step whose log is rejected or whose state hash
+    differs from the trainer's. An S_start the trainer does not serve (PeerError from
+    `source`) or that does not hash to h_start is no failure but an `unstarted` result: the
+    caller replays the interval from its own state instead. Raises what `source.log_bytes`,
+    the step and the filesystem raise."""
     iv, trainer = task.interval, {leaf.step: leaf for leaf in task.trainer_leaves}
-    state = source.state(iv.start)
     expected = spec.h0 if iv.start == 0 else trainer[iv.start].state_hash
-    if state_digest(state) != expected:
-        raise PeerError(f"the trainer's S_{iv.start} does not hash to h_{iv.start} of its own "
-                        f"signed leaf {iv.start}")
-    ex.load_state(state)
+    if held != expected:
+        try:
+            state = source.state(iv.start)
+        except PeerError as err:
+            return IntervalResult(iv, (), None, None, task.segment, unstarted=str(err))
+        if state_digest(state) != expected:
+            return IntervalResult(iv, (), None, None, task.segment, unstarted=(
+                f"the trainer's S_{iv.start} does not hash to h_{iv.start} of its own signed "
+                f"leaf {iv.start}"))
+        ex.load_state(state)
     shutil.rmtree(task.segment, ignore_errors=True)  # a crashed audit's stale files
     task.segment.mkdir(parents=True)
     leaves: list[Leaf] = []
@@ -166,15 +216,13 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
         replayed = replay_step(spec, ex, t, trainer[t], source.log_bytes(t), hooks)
         if isinstance(replayed, str):
             return IntervalResult(iv, tuple(leaves), t, replayed, task.segment)
-        state, log = replayed
-        leaf = Leaf(t, state_digest(state), log_digest(log))
-        (task.segment / _log_name(t)).write_bytes(log)
+        (task.segment / _log_name(t)).write_bytes(replayed.log)
         if checkpoint_due(spec, t):
             (task.segment / _STATE_FILE).write_bytes(safetensors.torch.save(
-                {k: v.contiguous() for k, v in state.items()}))
-        leaves.append(leaf)
-        if leaf.state_hash != trainer[t].state_hash:
-            return IntervalResult(iv, tuple(leaves), t, STATE_DIFFERS, task.segment)
+                {k: v.contiguous() for k, v in replayed.state.items()}))
+        leaves.append(replayed.leaf)
+        if replayed.differs is not None:
+            return IntervalResult(iv, tuple(leaves), t, replayed.differs, task.segment)
     return IntervalResult(iv, tuple(leaves), None, None, task.segment)
 
 
@@ -209,34 +257,100 @@ def replay_in_intervals(store: JobStore, source: ClaimSource, key: KeyPair,
                         runner: IntervalRunner, *, upto: int | None = None,
                         known: Mapping[Interval, IntervalResult] | None = None,
                         progress: Progress | None = None) -> AuditOutcome:
-    """`replay_job` with the remaining steps cut into intervals (`plan_intervals`), replayed
-    by `runner` and stitched into the store in step order; the same leaves, root and outcome.
-
-    Resumes as `replay_job` does (`begin_replay`). `upto` ends the replay early, at an interval
-    end (a sampled audit's divergent interval); `known` holds intervals already replayed whose
-    segments are still in place (that audit's sample), which are stitched without replaying
-    them again. Raises what `begin_replay`, `make_task`, the runner and `stitch` raise, and
-    whatever `progress` raises (the replay then resumes from the store on the next call)."""
-    known = known or {}
-    trainer, last, divergent, reason = begin_replay(store, source)
-    plan = plan_intervals(store.spec, after=last, upto=upto) if divergent is None else []
-    fresh = runner(store.spec, [make_task(store, source, iv) for iv in plan if iv not in known])
-    try:
-        for iv in plan:
-            result = known[iv] if iv in known else next(fresh)
-            stitch(store, result, progress)
-            shutil.rmtree(result.segment, ignore_errors=True)
-            if result.divergent_step is not None:
-                divergent, reason = result.divergent_step, result.reason
-                break
-    finally:
-        fresh.close()  # stops the workers still replaying later intervals
-        shutil.rmtree(store.dir / SEGMENTS, ignore_errors=True)
+    """`replay_job` with the remaining steps cut into intervals (`replay_intervals`), and
+    signed as `replay_job` signs (`finish_replay`): the same leaves, root and outcome."""
+    trainer, divergent, reason = replay_intervals(store, source, runner, upto=upto,
+                                                  known=known, progress=progress)
     return finish_replay(store, key, trainer, divergent, reason)
 
 
+def replay_intervals(store: JobStore, source: ClaimSource, runner: IntervalRunner, *,
+                     upto: int | None = None,
+                     known: Mapping[Interval, IntervalResult] | None = None,
+                     progress: Progress | None = None
+                     ) -> tuple[SignedCommitment, int | None, str | None]:
+    """Replay the steps after the auditor's store into it, cut into intervals
+    (`plan_intervals`) and stitched in step order; signs nothing.
+
+    Resumes as `replay_job` does (`begin_replay`). The parent replays the first interval
+    from its own state, and every one when `runner` has one process; the runner's workers
+    replay the others from the trainer's S_c, until one cannot start (see the module
+    docstring), after which the parent replays the rest from its own state. `upto` ends the
+    replay early, at an interval end (a sampled audit's escalation); `known` holds intervals
+    already replayed whose segments are still in place (that audit's sample), which are
+    stitched without replaying them again. Returns the trainer's verified commitment and the
+    first divergent step with its reason ((None, None): every replayed leaf matched). Raises
+    what `begin_replay`, `make_task`, the runner, the replay and `stitch` raise, and whatever
+    `progress` raises (the replay then resumes from the store on the next call)."""
+    spec, known = store.spec, known or {}
+    trainer, last, divergent, reason = begin_replay(store, source)
+    if divergent is not None:
+        return trainer, divergent, reason
+    plan = plan_intervals(spec, after=last, upto=upto)
+    delegated = {iv for iv in plan[1:] if iv not in known} if runner.processes > 1 else set()
+    results = runner(spec, [make_task(store, source, iv) for iv in plan if iv in delegated])
+    own = _OwnReplay(store, source, runner, progress)
+    try:
+        for iv in plan:
+            result = known.get(iv)
+            if result is None and iv in delegated:
+                result = next(results)
+                if result.unstarted is not None:  # every earlier interval is stitched
+                    results.close()
+                    delegated.clear()
+                    result = None
+            if result is None:
+                divergent, reason = own.replay(iv.last)
+            else:
+                stitch(store, result, progress)
+                shutil.rmtree(result.segment, ignore_errors=True)
+                divergent, reason = result.divergent_step, result.reason
+            if divergent is not None:
+                break
+    finally:
+        results.close()  # stops the workers still replaying later intervals
+        shutil.rmtree(store.dir / SEGMENTS, ignore_errors=True)
+    return trainer, divergent, reason
+
+
+class _OwnReplay:
+    """The parent's replay from the auditor's own state, step by step (`replay_steps`), on
+    one executor built on first use and moved to the store's last state (`state_at`: its own
+    checkpoint and logs) only when it does not hold that state already."""
+
+    def __init__(self, store: JobStore, source: ClaimSource, runner: IntervalRunner,
+                 progress: Progress | None) -> None:
+        self.store, self.source, self.runner, self.progress = store, source, runner, progress
+        self._ex: Executor | None = None
+        self._at = -1  # the step whose state `_ex` holds (-1: none known)
+
+    def replay(self, upto: int) -> tuple[int | None, str | None]:
+        last = self.store.last_step()
+        if self._ex is None:
+            self._ex = job_executor(self.store.spec, self.runner.profile, self.runner.data_dir)
+        if self._at != last:
+            self.store.state_at(last, self._ex)
+        self._at = -1
+        divergent, reason = replay_steps(self.store, self.source, self._ex, upto,
+                                         hooks=self.runner.hooks, progress=self.progress)
+        if divergent is None:
+            self._at = upto
+        return divergent, reason
+
+
 StateSources = Callable[[JobSpec], StateSource]
-Results = Generator[IntervalResult, None, None]
+StopCheck = Callable[[], None]
+
+
+class Results(Protocol):
+    """Interval results in task order, computed lazily; `close` stops the work under way
+    (results not yet taken are dropped)."""
+
+    def __iter__(self) -> Iterator[IntervalResult]: ...
+
+    def __next__(self) -> IntervalResult: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -251,23 +365,31 @@ class _Setup:
 
 
 class _Replayer:
-    """Replays tasks in one process with one executor, built on first use. In a worker, the
-    runner's `stop` event ends a task between two steps (`_Stopped`)."""
+    """Replays tasks in one process with one executor, built on first use; `check_stop`
+    (None: never stop) is asked before each state and log is fetched, so a stopped audit ends
+    between two steps. An interval that ends where the next one starts leaves its state in
+    the executor, and the next does not fetch it again."""
 
-    def __init__(self, setup: _Setup, stop: Event | None = None) -> None:
+    def __init__(self, setup: _Setup, check_stop: StopCheck | None = None) -> None:
         self.setup, self.spec = setup, JobSpec.from_bytes(setup.spec_bytes)
-        self.stop = stop
+        self.check_stop = check_stop
         self._ex: Executor | None = None
+        self._held: bytes | None = None  # the hash of the state `_ex` holds, when known
 
     def replay(self, task: IntervalTask) -> IntervalResult:
         if self._ex is None:
             self._ex = job_executor(self.spec, self.setup.profile, self.setup.data_dir)
+        held, self._held = self._held, None
         source = self.setup.sources(self.spec)
         try:
-            return replay_interval(self.spec, task, source if self.stop is None else
-                                   _Stoppable(source, self.stop), self._ex, self.setup.hooks)
+            result = replay_interval(
+                self.spec, task, source if self.check_stop is None else
+                _Stoppable(source, self.check_stop), self._ex, self.setup.hooks, held)
         finally:
             source.close()
+        if result.unstarted is None and result.divergent_step is None and result.leaves:
+            self._held = result.leaves[-1].state_hash
+        return result
 
 
 class _Stopped(Exception):
@@ -275,17 +397,17 @@ class _Stopped(Exception):
 
 
 class _Stoppable:
-    """A StateSource that stops answering (raises _Stopped) once `stop` is set."""
+    """A StateSource that calls `check_stop` (which raises to stop) before every answer."""
 
-    def __init__(self, source: StateSource, stop: Event) -> None:
-        self.source, self.stop = source, stop
+    def __init__(self, source: StateSource, check_stop: StopCheck) -> None:
+        self.source, self.check_stop = source, check_stop
 
     def state(self, step: int) -> dict[str, torch.Tensor]:
+        self.check_stop()
         return self.source.state(step)
 
     def log_bytes(self, step: int) -> bytes:  # asked once per step, before the step runs
-        if self.stop.is_set():
-            raise _Stopped(f"stopped before step {step}")
+        self.check_stop()
         return self.source.log_bytes(step)
 
     def close(self) -> None:
@@ -295,25 +417,19 @@ class _Stoppable:
 _worker: _Replayer | None = None  # a worker process's replayer (`_start_worker`)
 
 
-def _start_worker(setup: _Setup, threads: int, stop: Event) -> None:
+def _start_worker(setup: _Setup, stop: Event) -> None:
     global _worker
-    torch.set_num_threads(threads)
-    _worker = _Replayer(setup, stop)
+
+    def check_stop() -> None:
+        if stop.is_set():
+            raise _Stopped("the audit was stopped")
+
+    _worker = _Replayer(setup, check_stop)
 
 
 def _replay_in_worker(task: IntervalTask) -> IntervalResult:
     assert _worker is not None  # the pool's initializer made it
     return _worker.replay(task)
-
-
-def _result(future: Future[IntervalResult]) -> IntervalResult:
-    """A worker's result, or what its replay raised. Raises WorkerError if the worker process
-    died (killed, out of memory) instead of answering."""
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise WorkerError("an audit worker process died before answering (out of memory? "
-                          "try fewer processes)") from None
 
 
 class IntervalRunner:
@@ -323,54 +439,109 @@ class IntervalRunner:
     `StepHooks`) it must pickle, since each worker process (started with "spawn": a fresh
     interpreter, no state inherited) gets its own. One process replays in this one, on
     `profile` as it is. With P > 1, each worker runs `profile` on max(1, cores // P) threads,
-    cores being the CPUs this process may use, so P workers do not oversubscribe the machine:
-    the thread count changes no replayed bit (a profile's accumulation orders are what the
-    job fixes, SPEC §3.2), which the tests check by hash equality with a sequential replay.
+    cores being `usable_cpus()`, so P workers do not oversubscribe the machine: the thread
+    count changes no replayed bit (a profile's accumulation orders are what the job fixes,
+    SPEC §3.2), which the tests check by hash equality with a sequential replay. `check_stop`
+    (the daemon's `JobQueue.check_stop`; None: never stop) is called between steps and, with
+    P > 1, every POLL_S seconds while the parent waits for a worker; what it raises ends the
+    replay.
     """
 
     def __init__(self, processes: int, sources: StateSources, profile: Profile, *,
-                 hooks: StepHooks | None = None, data_dir: Path | None = None) -> None:
-        """Raises ConfigError for fewer than one process."""
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-            raise ConfigError(f"the number of audit processes must be at least 1, got "
-                              f"{processes!r}")
-        self.processes, self.sources, self.profile = processes, sources, profile
-        self.hooks, self.data_dir = hooks, data_dir
+                 hooks: StepHooks | None = None, data_dir: Path | None = None,
+                 check_stop: StopCheck | None = None) -> None:
+        """Raises ConfigError for fewer than one process or more than `usable_cpus()`."""
+        self.processes = require_processes(processes)
+        self.sources, self.profile = sources, profile
+        self.hooks, self.data_dir, self.check_stop = hooks, data_dir, check_stop
 
     @property
     def threads(self) -> int:
         """Each worker's torch thread count when several run."""
-        return max(1, len(os.sched_getaffinity(0)) // self.processes)
+        return max(1, usable_cpus() // self.processes)
 
-    def __call__(self, spec: JobSpec, tasks: Sequence[IntervalTask]
-                 ) -> Results:
-        """The results of `tasks`, in order, computed lazily; closing the iterator stops the
-        workers (results not yet taken are dropped). Raises what a task's replay raises."""
-        if self.processes == 1 or len(tasks) <= 1:
+    def __call__(self, spec: JobSpec, tasks: Sequence[IntervalTask]) -> Results:
+        """The results of `tasks`, in order (see `Results`). Raises what a task's replay
+        raises, WorkerError for a worker process that died, and what `check_stop` raises."""
+        if self.processes == 1 or not tasks:
             return self._inline(spec, tasks)
-        return self._pooled(spec, tasks)
-
-    def _setup(self, spec: JobSpec, profile: Profile) -> _Setup:
-        return _Setup(spec.to_bytes(), self.sources, profile, self.hooks, self.data_dir)
+        setup = _Setup(spec.to_bytes(), self.sources,
+                       dataclasses.replace(self.profile, threads=self.threads), self.hooks,
+                       self.data_dir)
+        return _Pooled(setup, tasks, self.processes, self.check_stop)
 
     def _inline(self, spec: JobSpec, tasks: Sequence[IntervalTask]) -> Results:
-        replayer = _Replayer(self._setup(spec, self.profile))
+        replayer = _Replayer(_Setup(spec.to_bytes(), self.sources, self.profile, self.hooks,
+                                    self.data_dir), self.check_stop)
         for task in tasks:
             yield replayer.replay(task)
 
-    def _pooled(self, spec: JobSpec, tasks: Sequence[IntervalTask]) -> Results:
-        threads = self.threads
-        setup = self._setup(spec, dataclasses.replace(self.profile, threads=threads))
+
+class _Pooled:
+    """`Results` from a pool of worker processes, started at once: at most `processes` tasks
+    are submitted and unfinished at a time (the others wait here, so closing cancels them
+    without a worker ever seeing them), and every wait polls `check_stop`."""
+
+    def __init__(self, setup: _Setup, tasks: Sequence[IntervalTask], processes: int,
+                 check_stop: StopCheck | None) -> None:
         context = multiprocessing.get_context("spawn")
-        stop = context.Event()
-        with ProcessPoolExecutor(min(self.processes, len(tasks)), mp_context=context,
-                                 initializer=_start_worker,
-                                 initargs=(setup, threads, stop)) as pool:
-            futures = [pool.submit(_replay_in_worker, task) for task in tasks]
-            try:
-                for future in futures:
-                    yield _result(future)
-            finally:  # closed early, or failed: the workers stop after their current step
-                stop.set()
-                for future in futures:
-                    future.cancel()
+        self._stop = context.Event()
+        self._pool = ProcessPoolExecutor(min(processes, len(tasks)), mp_context=context,
+                                         initializer=_start_worker,
+                                         initargs=(setup, self._stop))
+        self._processes, self._check_stop = processes, check_stop
+        self._waiting = deque(tasks)
+        self._futures: deque[Future[IntervalResult]] = deque()
+        self._closed = False
+        self._top_up()
+
+    def _top_up(self) -> None:
+        busy = sum(not future.done() for future in self._futures)
+        while self._waiting and busy < self._processes:
+            self._futures.append(self._pool.submit(_replay_in_worker, self._waiting.popleft()))
+            busy += 1
+
+    def __iter__(self) -> Iterator[IntervalResult]:
+        return self
+
+    def __next__(self) -> IntervalResult:
+        if self._closed or not self._futures:
+            raise StopIteration
+        head = self._futures[0]
+        try:
+            while not head.done():
+                wait([f for f in self._futures if not f.done()], POLL_S, FIRST_COMPLETED)
+                self._top_up()
+                if self._check_stop is not None:
+                    self._check_stop()
+            result = head.result()
+        except BrokenProcessPool:
+            self.close()
+            raise WorkerError("an audit worker process died before answering (out of memory? "
+                              "try fewer processes)") from None
+        except BaseException:
+            self.close()
+            raise
+        self._futures.popleft()
+        self._top_up()
+        return result
+
+    def close(self) -> None:
+        """Stop the workers: tasks not started are cancelled, each busy worker ends after its
+        current step, and those still running after GRACE_S are terminated."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        workers = list((self._pool._processes or {}).values())
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + GRACE_S
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(GRACE_S)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()

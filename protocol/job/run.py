@@ -8,8 +8,8 @@ later), checks each log against the trainer's leaf, replays it on its own hardwa
 its own store, and signs its own commitment. It stops at the first step whose state hash
 differs or whose log it must reject: that step is the challenge of SPEC §5.1. The same replay
 cut at the trainer's checkpoints, in worker processes or on a sample of the intervals, is
-`protocol.job.intervals` and `protocol.job.sampling`, sharing `begin_replay`, `replay_step`
-and `finish_replay` with it.
+`protocol.job.intervals` and `protocol.job.sampling`, sharing `begin_replay`, `replay_step`,
+`replay_steps` and `finish_replay` with it.
 """
 
 from __future__ import annotations
@@ -217,16 +217,13 @@ def replay_job(store: JobStore, source: ClaimSource, key: KeyPair, *, profile: P
     """
     spec = store.spec
     trainer, last, divergent, reason = begin_replay(store, source)
-    ex = job_executor(spec, profile, data_dir)
-    store.state_at(last, ex)
-    t = last
-    with job_workers(spec, profile, workers) as group:
-        ex.use_workers(group)
-        while divergent is None and t < spec.steps:
-            t += 1
-            divergent, reason = _replay_into_store(store, source, ex, t, hooks)
-            if progress:
-                progress(t, spec.steps)
+    if divergent is None:
+        ex = job_executor(spec, profile, data_dir)
+        store.state_at(last, ex)
+        with job_workers(spec, profile, workers) as group:
+            ex.use_workers(group)
+            divergent, reason = replay_steps(store, source, ex, spec.steps, hooks=hooks,
+                                             progress=progress)
     return finish_replay(store, key, trainer, divergent, reason)
 
 
@@ -267,25 +264,45 @@ def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
     return None, None
 
 
-def _replay_into_store(store: JobStore, source: ClaimSource, ex: Executor, t: int,
-                 hooks: StepHooks | None = None):
-    claimed = source.leaf(t)
-    replayed = replay_step(store.spec, ex, t, claimed, source.log_bytes(t), hooks)
-    if isinstance(replayed, str):
-        return t, replayed
-    leaf = store.append_step(t, *replayed)
-    if leaf.state_hash != claimed.state_hash:
-        return t, STATE_DIFFERS
+def replay_steps(store: JobStore, source: ClaimSource, ex: Executor, upto: int, *,
+                 hooks: StepHooks | None = None, progress: Progress | None = None
+                 ) -> tuple[int | None, str | None]:
+    """Replay steps last+1..upto into the auditor's store, `last` its last stored step and `ex`
+    holding its S_last: `replay_job`'s loop, also run by an interval replay that continues from
+    the auditor's own state. Calls `progress(t, n)` after each step t. Returns the first
+    divergent step and its reason, or (None, None) when every leaf matched the trainer's.
+    Raises what `source`, `replay_step`, the store and `progress` raise."""
+    for t in range(store.last_step() + 1, upto + 1):
+        replayed = replay_step(store.spec, ex, t, source.leaf(t), source.log_bytes(t), hooks)
+        if not isinstance(replayed, str):
+            store.append_leaf(replayed.leaf, replayed.log, replayed.state)
+        if progress:
+            progress(t, store.spec.steps)
+        reason = replayed if isinstance(replayed, str) else replayed.differs
+        if reason is not None:
+            return t, reason
     return None, None
 
 
+@dataclass(frozen=True)
+class ReplayedStep:
+    """Step t as the auditor replayed it: its leaf, with S_t and L_t's bytes to store, and
+    `differs`: STATE_DIFFERS when the leaf's state hash is not the trainer's, else None."""
+
+    leaf: Leaf
+    state: dict[str, torch.Tensor]
+    log: bytes
+    differs: str | None
+
+
 def replay_step(spec: JobSpec, ex: Executor, t: int, claimed: Leaf, log: bytes,
-                hooks: StepHooks | None = None
-                ) -> tuple[dict[str, torch.Tensor], bytes] | str:
+                hooks: StepHooks | None = None) -> ReplayedStep | str:
     """Replay step t on `ex` (holding S_{t-1}) with the trainer's log bytes `log`, checked
-    against ℓ_t in the trainer's leaf `claimed` first: (S_t, L_t's bytes) to store, or, when
-    the log must be rejected, the reason, which is a challenge of step t (SPEC §5.1). Raises
-    ConfigError for a data file changed under the job (`committed_batch`)."""
+    against ℓ_t in the trainer's leaf `claimed` first, and compare the replayed leaf with
+    `claimed`; or, when the log must be rejected, the reason, which is a challenge of step t
+    (SPEC §5.1). The one place a replayed step becomes a leaf, for every replay (sequential,
+    interval, sampled). Raises ConfigError for a data file changed under the job
+    (`committed_batch`)."""
     if log_digest(log) != claimed.log_hash:
         return "the trainer served a rounding log that does not match its own leaf"
     try:
@@ -297,4 +314,7 @@ def replay_step(spec: JobSpec, ex: Executor, t: int, claimed: Leaf, log: bytes,
         # An undecodable log is as invalid as a violating one: the arbiter rules invalid-log
         # (SPEC §5.4), so the audit must end in a challenge, not a failure.
         return f"the trainer's rounding log is invalid: {err}"
-    return (ex.state(), log) if hooks is None else hooks.after(t, ex, log)
+    state, log = (ex.state(), log) if hooks is None else hooks.after(t, ex, log)
+    leaf = Leaf(t, state_digest(state), log_digest(log))
+    return ReplayedStep(leaf, state, log,
+                        None if leaf.state_hash == claimed.state_hash else STATE_DIFFERS)

@@ -1,11 +1,16 @@
 """`run_audit(processes=2)`: the job's checkpoint intervals replayed in two worker processes,
-each from the trainer's S_c, stitched into one store: the same leaves and signed root as one
-sequential replay, the same first divergent step and challenge (which the arbiter settles), a
-crash that resumes without losing a stitched leaf, a trainer whose S_c is not its h_c, and
-a lying auditor's fault hooks, which reach the workers."""
+each from the trainer's S_c (the first from the auditor's own S_0), stitched into one store:
+the same leaves and signed root as one sequential replay, the same first divergent step and
+challenge (which the arbiter settles), a crash that resumes from the auditor's own state
+without losing a stitched leaf, a trainer whose S_c is not its h_c or who refuses it (the
+audit goes on from the auditor's own state: still matched, or still challengeable), a lying
+auditor's fault hooks, which reach the workers, and a daemon that stops in seconds."""
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import pytest
 import safetensors.torch
 
@@ -13,19 +18,37 @@ from arbiter.adjudicate import adjudicate
 from arbiter.parties import StoreParty
 from auditor_node.audit import DIVERGED, MATCHED, run_audit
 from auditor_node.faults import AuditorFaults
+from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory, chunks
 from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.profiles import Profile
-from protocol.errors import PeerError
 from protocol.job.faults import Fault, one_ulp_off
-from protocol.job.intervals import SEGMENTS
+from protocol.job.intervals import SEGMENTS, usable_cpus
 from protocol.job.store import JobStore
 from tests.auditor_node.crashes import Crash, crash_at
 
 from .conftest import AUDITOR_PROFILE, CHEAT_STEP, STEPS, Counting, serve_claims
+from .daemon import Auditors
 
-pytestmark = pytest.mark.network
+pytestmark = [pytest.mark.network,
+              pytest.mark.skipif(usable_cpus() < 2, reason="2 audit processes need 2 CPUs")]
+CALL_TIMEOUT_S = 10
+
+
+class Refusing(Counting):
+    """The trainer's Claims, counting calls, that refuses GetCheckpoint for the `refused`
+    steps: a trainer that will not serve the S_c an interval starts from."""
+
+    def __init__(self, stores, refused, log_delay_s: float = 0.0):
+        super().__init__(stores, log_delay_s)
+        self.refused = frozenset(refused)
+
+    def GetCheckpoint(self, request, context):
+        if request.step in self.refused:
+            self.calls.append(("GetCheckpoint", request.step))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not serving checkpoints")
+        yield from super().GetCheckpoint(request, context)
 
 
 def _checkpoints(store: JobStore) -> dict[int, bytes]:
@@ -122,8 +145,9 @@ def test_a_crashed_parallel_audit_resumes_keeping_its_stitched_leaves(trained, t
     assert record.state == MATCHED
     assert record.auditor_commitment.commitment.root == trained.signed.commitment.root
     assert store.leaves()[:8] == kept
-    # resumed after step 7: the rest of its interval from the trainer's S_7, then 10 and 15
-    assert sorted(counting.steps("GetCheckpoint")) == [7, 10, 15]
+    # resumed after step 7: the rest of its interval from the auditor's own S_7 (its S_5 and
+    # logs 6-7), then the two later intervals from the trainer's S_10 and S_15
+    assert sorted(counting.steps("GetCheckpoint")) == [10, 15]
     assert sorted(counting.steps("GetLog")) == list(range(8, STEPS + 1))
 
 
@@ -138,8 +162,56 @@ class _SwappedCheckpoint(ClaimsServicer):
         yield from chunks(safetensors.torch.save(state))
 
 
-def test_a_checkpoint_that_is_not_the_trainers_h_c_fails_the_audit(trained, tmp_path):
+def test_a_checkpoint_that_is_not_the_trainers_h_c_costs_parallelism_not_the_audit(
+        trained, tmp_path):
     with serve_claims(_SwappedCheckpoint(StoreDirectory(trained.root))) as address:
-        with pytest.raises(PeerError, match="S_10 does not hash to h_10"):
-            run_audit(address, trained.spec.job_id, tmp_path, KeyPair.generate(),
-                      AUDITOR_PROFILE, processes=2)
+        record = run_audit(address, trained.spec.job_id, tmp_path, KeyPair.generate(),
+                           AUDITOR_PROFILE, processes=2)
+    assert record.state == MATCHED and record.replayed == STEPS
+    assert record.auditor_commitment.commitment.root == trained.signed.commitment.root
+    assert JobStore(tmp_path, trained.spec).leaves() == JobStore(trained.root,
+                                                                 trained.spec).leaves()
+
+
+def test_a_cheater_refusing_its_checkpoints_is_still_challenged(caught, trained, cheater_root,
+                                                                tmp_path):
+    """The cheat is at 8, in 6-10: refusing S_5 (and every S_c) to the workers does not turn
+    the divergence into a failure; the parent replays on from its own S_5, as a sequential
+    audit does, and files the same challenge."""
+    refusing = Refusing(StoreDirectory(cheater_root), range(1, STEPS + 1))
+    with serve_claims(refusing) as address:
+        record = run_audit(address, trained.spec.job_id, tmp_path, KeyPair.generate(),
+                           AUDITOR_PROFILE, processes=2)
+    assert 5 in refusing.steps("GetCheckpoint")  # asked, and refused
+    parallel, _ = caught
+    assert record.state == DIVERGED
+    assert (record.divergent_step, record.reason) == (parallel.divergent_step, parallel.reason)
+    assert record.auditor_commitment.commitment.root == \
+        parallel.auditor_commitment.commitment.root
+    challenge = Challenge.from_bytes(record.challenge.read_bytes())
+    challenge.verify(trained.spec)
+    assert challenge.step == CHEAT_STEP
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_parallel_audit_within_seconds(trained, auditor_key, tmp_path):
+    """A slow trainer (2 s per log, 10 s per interval): SIGTERM while two workers replay ends
+    the daemon in a few seconds, not after their intervals or the ones queued behind them."""
+    slow = Counting(StoreDirectory(trained.root), log_delay_s=2.0)
+    auditors = Auditors(tmp_path, auditor_key)
+    try:
+        with serve_claims(slow) as address:
+            daemon = auditors.launch(tmp_path / "store", "--processes", "2")
+            with grpc.insecure_channel(daemon.wait_serving().address) as channel:
+                ovt_pb2_grpc.AuditorStub(channel).Audit(ovt_pb2.AuditRequest(
+                    trainer_address=address, job_id=trained.spec.job_id),
+                    timeout=CALL_TIMEOUT_S)
+            deadline = time.monotonic() + 120
+            while not any(step > 5 for step in slow.steps("GetLog")):  # a worker replays
+                assert time.monotonic() < deadline, daemon.log_text()
+                time.sleep(0.1)
+            started = time.monotonic()
+            assert daemon.terminate() == 0, daemon.log_text()
+            assert time.monotonic() - started < 8, daemon.log_text()
+    finally:
+        auditors.close()

@@ -1,18 +1,21 @@
 """protocol.job.intervals: the plan of a job's checkpoint intervals, and their replay in worker
 processes from local stores (no network): the same leaves, logs, checkpoints and root as
-`replay_job`'s, bit for bit, whatever each worker's thread count; a state that is not the
-trainer's h_c refused; a damaged segment never stitched."""
+`replay_job`'s, bit for bit, whatever each worker's thread count; the first interval from the
+auditor's own state; a trainer state that is refused or not its h_c making the parent go on
+from its own; a state the executor holds not fetched again; a damaged segment never stitched;
+a stop that takes a poll, not an interval; at most as many processes as CPUs."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from protocol.commit.keys import KeyPair
 from protocol.engine.precision import PrecisionPolicy
@@ -21,6 +24,8 @@ from protocol.errors import ConfigError, PeerError, StoreError, WorkerError
 from protocol.job.create import build_job, job_executor
 from protocol.job.faults import one_ulp_off
 from protocol.job.intervals import (
+    GRACE_S,
+    POLL_S,
     SEGMENTS,
     Interval,
     IntervalRunner,
@@ -29,6 +34,7 @@ from protocol.job.intervals import (
     replay_in_intervals,
     replay_interval,
     stitch,
+    usable_cpus,
 )
 from protocol.job.run import StepHooks, StoreSource, replay_job, run_job
 from protocol.job.store import JobStore
@@ -36,6 +42,7 @@ from protocol.job.store import JobStore
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
 STEPS, EVERY = 12, 4
 AUDITOR = Profile.parse("emulated-gpu")  # 2 threads; its workers get cores // 2
+two_cpus = pytest.mark.skipif(usable_cpus() < 2, reason="2 audit processes need 2 CPUs")
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +62,40 @@ class StoreStates:
 
     root: Path
     shift: int | None = None  # serve S_shift one ULP off: a trainer whose S_c is not its h_c
+    refuse: int | None = None  # refuse S_refuse (PeerError), as a trainer may
+    notes: Path | None = None  # note each request here: a file state-<t> or log-<pid>-<t>
+    log_delay_s: float = 0.0  # a slow trainer: each log takes this long
 
     def __call__(self, spec):
-        return _States(JobStore(self.root, spec), self.shift)
+        return _States(JobStore(self.root, spec), self)
 
 
 class _States:
-    def __init__(self, store: JobStore, shift: int | None) -> None:
-        self.store, self.shift = store, shift
+    def __init__(self, store: JobStore, how: StoreStates) -> None:
+        self.store, self.how = store, how
+
+    def _note(self, name):
+        if self.how.notes is not None:
+            (self.how.notes / name).touch()
 
     def state(self, step):
+        self._note(f"state-{step}")
+        if step == self.how.refuse:
+            raise PeerError(f"trainer GetCheckpoint {step} failed: PERMISSION_DENIED: no")
         state = self.store.checkpoint(step)
-        return one_ulp_off(state) if step == self.shift else state
+        return one_ulp_off(state) if step == self.how.shift else state
 
     def log_bytes(self, step):
+        self._note(f"log-{os.getpid()}-{step}")
+        time.sleep(self.how.log_delay_s)
         return self.store.log_bytes(step)
 
     def close(self):
         self.store.close()
+
+
+def _states_asked(notes: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in notes.glob("state-*"))
 
 
 @dataclass(frozen=True)
@@ -88,12 +111,13 @@ class DyingStates:
 
 @dataclass(frozen=True)
 class ThreadsSeen(StepHooks):
-    """Honest hooks noting, per replayed step, the process and its torch thread count."""
+    """Honest hooks noting, per replayed step, the process and the thread count its executor's
+    profile runs the step on."""
 
     folder: Path
 
     def before(self, t, ex):
-        (self.folder / str(t)).write_text(f"{os.getpid()} {torch.get_num_threads()}")
+        (self.folder / str(t)).write_text(f"{os.getpid()} {ex.profile.threads}")
 
 
 def _spec(steps, every):
@@ -118,6 +142,7 @@ def test_the_plan_cuts_after_every_checkpoint(steps, every, after, upto, plan):
     assert all(iv.start == iv.first - 1 for iv in intervals)
 
 
+@two_cpus
 def test_two_worker_processes_stitch_replay_jobs_leaves_bit_for_bit(trainer, tmp_path):
     key = KeyPair.generate()
     sequential = JobStore(tmp_path / "sequential", trainer.spec)
@@ -133,21 +158,92 @@ def test_two_worker_processes_stitch_replay_jobs_leaves_bit_for_bit(trainer, tmp
     for t in range(1, STEPS + 1):
         assert parallel.log_bytes(t) == sequential.log_bytes(t)
     assert parallel.checkpoint_steps() == sequential.checkpoint_steps() == [0, 4, 8, 12]
-    # the 3 intervals ran in worker processes, not this one (at most 2: a worker that starts
-    # late may find the others took every task), each on cores // 2 threads (the emulated
-    # GPU's 2 threads in the sequential replay): the same bits
-    workers = {tuple(map(int, (seen / str(t)).read_text().split())) for t in range(1, 13)}
+    # the first interval ran here, from the auditor's own S_0, on the emulated GPU's 2 threads;
+    # the 2 others in worker processes (at most 2: a worker that starts late may find the
+    # other took both), each on cores // 2 threads: the same bits
+    here = {tuple(map(int, (seen / str(t)).read_text().split())) for t in range(1, 5)}
+    assert here == {(os.getpid(), 2)}
+    workers = {tuple(map(int, (seen / str(t)).read_text().split())) for t in range(5, 13)}
     assert 1 <= len(dict(workers)) <= 2 and os.getpid() not in dict(workers)
-    assert {threads for _, threads in workers} == {max(1, len(os.sched_getaffinity(0)) // 2)}
+    assert {threads for _, threads in workers} == {max(1, usable_cpus() // 2)}
     assert not (parallel.dir / SEGMENTS).exists()
 
 
-def test_a_trainer_state_that_is_not_its_leafs_h_c_is_refused(trainer, tmp_path):
+@pytest.mark.parametrize("how, why", [
+    ({"shift": 4}, "the trainer's S_4 does not hash to h_4 of its own signed leaf 4"),
+    ({"refuse": 4}, "trainer GetCheckpoint 4 failed: PERMISSION_DENIED: no"),
+], ids=["wrong", "refused"])
+def test_an_interval_whose_trainer_state_is_wrong_or_refused_does_not_start(trainer, tmp_path,
+                                                                           how, why):
     auditor = JobStore(tmp_path, trainer.spec)
     task = make_task(auditor, StoreSource(trainer), Interval(5, 8))
-    source = StoreStates(trainer.dir.parent, shift=4)(trainer.spec)
-    with pytest.raises(PeerError, match="S_4 does not hash to h_4 of its own signed leaf 4"):
-        replay_interval(trainer.spec, task, source, job_executor(trainer.spec, AUDITOR))
+    source = StoreStates(trainer.dir.parent, **how)(trainer.spec)
+    result = replay_interval(trainer.spec, task, source, job_executor(trainer.spec, AUDITOR))
+    assert (result.unstarted, result.leaves, result.divergent_step) == (why, (), None)
+    assert not task.segment.exists()  # nothing was replayed
+
+
+@two_cpus
+def test_a_refused_trainer_state_makes_the_parent_go_on_from_its_own(trainer, tmp_path):
+    """A trainer refusing S_4 costs the audit its parallelism, not its outcome: the parent
+    replays 5-12 from its own state and signs replay_job's root."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    runner = IntervalRunner(2, StoreStates(trainer.dir.parent, refuse=4, notes=notes), AUDITOR)
+    store = JobStore(tmp_path / "auditor", trainer.spec)
+    outcome = replay_in_intervals(store, StoreSource(trainer), KeyPair.generate(), runner)
+    assert outcome.matches and store.leaves() == trainer.leaves()
+    assert store.checkpoint_steps() == [0, 4, 8, 12]
+    # the workers asked for S_4 (and perhaps S_8, already in flight), never for S_0: the first
+    # interval starts from the auditor's own
+    assert 4 in _states_asked(notes) and set(_states_asked(notes)) <= {4, 8}
+
+
+def test_one_process_does_not_fetch_a_state_its_executor_holds(trainer, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    auditor = JobStore(tmp_path / "auditor", trainer.spec)
+    tasks = [make_task(auditor, StoreSource(trainer), iv) for iv in plan_intervals(trainer.spec)]
+    results = list(IntervalRunner(1, StoreStates(trainer.dir.parent, notes=notes),
+                                  AUDITOR)(trainer.spec, tasks))
+    assert [leaf for result in results for leaf in result.leaves] == trainer.leaves()[1:]
+    assert _states_asked(notes) == [0]  # S_4 and S_8 were the executor's already
+
+
+class Halt(Exception):
+    """What the test's stop check raises (the daemon's is `Stopped`)."""
+
+
+@two_cpus
+def test_a_stop_takes_a_poll_and_ends_workers_stuck_in_a_step(trainer, tmp_path):
+    """Both workers wait 60 s for a log (a stalled trainer): stopping ends the replay within a
+    poll, and closing terminates them after the grace period instead of waiting."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    stop = threading.Event()
+
+    def check_stop():
+        if stop.is_set():
+            raise Halt
+
+    auditor = JobStore(tmp_path / "auditor", trainer.spec)
+    tasks = [make_task(auditor, StoreSource(trainer), iv) for iv in plan_intervals(trainer.spec)]
+    runner = IntervalRunner(2, StoreStates(trainer.dir.parent, notes=notes, log_delay_s=60),
+                            AUDITOR, check_stop=check_stop)
+    results = runner(trainer.spec, tasks)  # the workers start now, before the first `next`
+    deadline = time.monotonic() + 60
+    while len(pids := {int(p.name.split("-")[1]) for p in notes.glob("log-*")}) < 2:
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+    assert len(list(notes.glob("log-*"))) == 2  # the third interval waits here, unsubmitted
+    stop.set()
+    started = time.monotonic()
+    with pytest.raises(Halt):
+        next(results)
+    assert time.monotonic() - started < POLL_S + GRACE_S + 3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # terminated and reaped
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +287,7 @@ def test_a_damaged_segment_is_never_stitched(replayed, damage, message):
     assert auditor.last_step() < 4  # nothing after the damage was stored
 
 
+@two_cpus
 def test_a_worker_that_dies_fails_the_replay_instead_of_hanging(trainer, tmp_path):
     auditor = JobStore(tmp_path, trainer.spec)
     tasks = [make_task(auditor, StoreSource(trainer), iv) for iv in plan_intervals(trainer.spec)]
@@ -203,3 +300,20 @@ def test_a_worker_that_dies_fails_the_replay_instead_of_hanging(trainer, tmp_pat
 def test_a_runner_needs_at_least_one_process(trainer, processes):
     with pytest.raises(ConfigError, match="at least 1"):
         IntervalRunner(processes, StoreStates(trainer.dir.parent), AUDITOR)
+
+
+def test_a_runner_has_at_most_a_process_per_cpu(trainer):
+    cpus = usable_cpus()
+    with pytest.raises(ConfigError, match=f"^{cpus + 1} audit processes are more than the "
+                                          f"{cpus} CPUs this process may use$"):
+        IntervalRunner(cpus + 1, StoreStates(trainer.dir.parent), AUDITOR)
+    assert IntervalRunner(cpus, StoreStates(trainer.dir.parent), AUDITOR).processes == cpus
+
+
+def test_the_usable_cpus_are_the_cpu_count_where_there_is_no_affinity_mask(monkeypatch):
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert usable_cpus() == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert usable_cpus() == 1
