@@ -14,8 +14,9 @@ store. Stitched into the auditor's store in step order (`replay_in_intervals`), 
 step of the first interval that diverges is the challenge of SPEC §5.1, as there.
 
 The trainer's S_c only buys parallelism; an audit never depends on it. The first interval of
-a replay starts where the auditor's store ends (S_0, or S_t after a crash), so the parent
-replays it from its own state while the workers take the later ones; and when a worker's
+a replay starts where the auditor's store ends (S_0, or S_t after a crash), so its worker
+gets that state from the parent, as a file of the auditor's own (P workers replay, the parent
+only stitches: no more compute streams than processes); and when a worker's
 interval cannot start because the trainer refused its S_c or served one that is not its h_c,
 every earlier interval has been stitched, so the parent continues from its own S_c, step by
 step to the end as `replay_job` would, and the audit ends matched or diverged as a sequential
@@ -81,6 +82,7 @@ from protocol.job.store import JobStore, checkpoint_due
 
 SEGMENTS = "intervals"  # the scratch folder under a job's store
 _STATE_FILE = "state.safetensors"
+_OWN_START_FILE = "own-start.safetensors"  # the first interval's start state, the auditor's own
 POLL_S = 0.2  # how often a wait for a worker asks whether the audit is stopping
 GRACE_S = 2.0  # how long closed workers may take to end their step before they are terminated
 
@@ -154,11 +156,14 @@ class StateSource(Protocol):
 @dataclass(frozen=True)
 class IntervalTask:
     """One interval to replay: the trainer's leaves start..last, verified by the parent under
-    the trainer's signed root, and the segment folder the worker writes into."""
+    the trainer's signed root, the segment folder the worker writes into, and `own_start`:
+    the auditor's own S_start as a safetensors file the parent wrote (the first interval of a
+    parallel replay), or None to take the trainer's."""
 
     interval: Interval
     trainer_leaves: tuple[Leaf, ...]
     segment: Path
+    own_start: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -177,11 +182,13 @@ class IntervalResult:
     unstarted: str | None = None
 
 
-def make_task(store: JobStore, source: ClaimSource, interval: Interval) -> IntervalTask:
+def make_task(store: JobStore, source: ClaimSource, interval: Interval,
+              own_start: Path | None = None) -> IntervalTask:
     """The task of `interval`, with the trainer's leaves from `source` (which verifies them)."""
     return IntervalTask(interval, tuple(source.leaf(t) for t in range(interval.start,
                                                                       interval.last + 1)),
-                        store.dir / SEGMENTS / f"{interval.first:09d}-{interval.last:09d}")
+                        store.dir / SEGMENTS / f"{interval.first:09d}-{interval.last:09d}",
+                        own_start)
 
 
 def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: Executor,
@@ -201,7 +208,8 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
     expected = spec.h0 if iv.start == 0 else trainer[iv.start].state_hash
     if held != expected:
         try:
-            state = source.state(iv.start)
+            state = source.state(iv.start) if task.own_start is None else \
+                _segment_state(task.own_start.parent, task.own_start.name)
         except PeerError as err:
             return IntervalResult(iv, (), None, None, task.segment, unstarted=str(err))
         if state_digest(state) != expected:
@@ -246,9 +254,9 @@ def _log_name(step: int) -> str:
     return f"{step:09d}.ovtl"
 
 
-def _segment_state(segment: Path) -> dict[str, torch.Tensor]:
+def _segment_state(segment: Path, name: str = _STATE_FILE) -> dict[str, torch.Tensor]:
     try:
-        return load_safetensors((segment / _STATE_FILE).read_bytes())
+        return load_safetensors((segment / name).read_bytes())
     except (OSError, StateFormatError) as err:
         raise StoreError(f"the state in {segment} is missing or damaged: {err}") from None
 
@@ -272,10 +280,11 @@ def replay_intervals(store: JobStore, source: ClaimSource, runner: IntervalRunne
     """Replay the steps after the auditor's store into it, cut into intervals
     (`plan_intervals`) and stitched in step order; signs nothing.
 
-    Resumes as `replay_job` does (`begin_replay`). The parent replays the first interval
-    from its own state, and every one when `runner` has one process; the runner's workers
-    replay the others from the trainer's S_c, until one cannot start (see the module
-    docstring), after which the parent replays the rest from its own state. `upto` ends the
+    Resumes as `replay_job` does (`begin_replay`). With one process the parent replays every
+    interval from its own state; with more, the runner's workers replay them all, the first
+    from the auditor's own state (a file), the others from the trainer's S_c, until one
+    cannot start (see the module docstring), after which the parent replays the rest from
+    its own state. `upto` ends the
     replay early, at an interval end (a sampled audit's escalation); `known` holds intervals
     already replayed whose segments are still in place (that audit's sample), which are
     stitched without replaying them again. Returns the trainer's verified commitment and the
@@ -287,9 +296,16 @@ def replay_intervals(store: JobStore, source: ClaimSource, runner: IntervalRunne
     if divergent is not None:
         return trainer, divergent, reason
     plan = plan_intervals(spec, after=last, upto=upto)
-    delegated = {iv for iv in plan[1:] if iv not in known} if runner.processes > 1 else set()
-    results = runner(spec, [make_task(store, source, iv) for iv in plan if iv in delegated])
+    delegated = {iv for iv in plan if iv not in known} if runner.processes > 1 else set()
     own = _OwnReplay(store, source, runner, progress)
+    own_start = None
+    if plan and plan[0] in delegated:  # it starts from the auditor's own state, not the trainer's
+        own_start = store.dir / SEGMENTS / _OWN_START_FILE
+        own_start.parent.mkdir(parents=True, exist_ok=True)
+        own_start.write_bytes(safetensors.torch.save(
+            {k: v.contiguous() for k, v in own.state(last).items()}))
+    results = runner(spec, [make_task(store, source, iv, own_start if i == 0 else None)
+                            for i, iv in enumerate(plan) if iv in delegated])
     try:
         for iv in plan:
             result = known.get(iv)
@@ -324,14 +340,22 @@ class _OwnReplay:
         self._ex: Executor | None = None
         self._at = -1  # the step whose state `_ex` holds (-1: none known)
 
-    def replay(self, upto: int) -> tuple[int | None, str | None]:
-        last = self.store.last_step()
+    def state(self, step: int) -> dict[str, torch.Tensor]:
+        """The auditor's own S_step (a step it has stored), from its checkpoint and logs."""
+        return self._executor_at(step).state()
+
+    def _executor_at(self, step: int) -> Executor:
         if self._ex is None:
             self._ex = job_executor(self.store.spec, self.runner.profile, self.runner.data_dir)
-        if self._at != last:
-            self.store.state_at(last, self._ex)
+        if self._at != step:
+            self.store.state_at(step, self._ex)
+            self._at = step
+        return self._ex
+
+    def replay(self, upto: int) -> tuple[int | None, str | None]:
+        ex = self._executor_at(self.store.last_step())
         self._at = -1
-        divergent, reason = replay_steps(self.store, self.source, self._ex, upto,
+        divergent, reason = replay_steps(self.store, self.source, ex, upto,
                                          hooks=self.runner.hooks, progress=self.progress)
         if divergent is None:
             self._at = upto
