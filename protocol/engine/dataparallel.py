@@ -333,9 +333,10 @@ class WorkerGroup:
             self._dir = None
 
     def parts(self, ex: Executor, t: int, micro: list[dict[str, torch.Tensor]],
-              log: RoundingLog | None) -> list[PartResult]:
+              log: RoundingLog | None, buffers: dict[str, torch.Tensor]) -> list[PartResult]:
         """Every micro-batch of step t (its examples `micro[i]`, its part of `log` in replay):
-        the workers' computed by them, rank 0's here, each from `ex`'s model as it is now.
+        the workers' computed by them, rank 0's here, each from `ex`'s parameters and the
+        step's `buffers` (S_{t-1}'s, which `ex` holds when this is called).
 
         Raises WorkerError if a worker dies, does not answer in time or answers out of step
         (the group is then unusable until `start()`), or the micro-batch's own error
@@ -347,7 +348,6 @@ class WorkerGroup:
         self._group = None  # unusable unless this step's exchange completes
         start = {**ex.model_tensors(), **dict(ex.model.named_buffers())}  # every rank's
         model = {f"model.{n}": v for n, v in start.items()}
-        buffers = {n: b.clone() for n, b in ex.model.named_buffers()}  # rank 0's parts start here
         try:
             for rank in range(1, self.world):
                 mine = range(rank, k, self.world)

@@ -361,7 +361,8 @@ class Executor:
         start = {name: b.clone() for name, b in self.model.named_buffers()}
         parts = []
         for i, micro in enumerate(self._micro_batches(batch)):
-            self._load_model_tensors(start)
+            if i:  # the parts before left their buffers
+                self._load_model_tensors(start)
             randomness.begin_micro_batch(i)
             parts.append(self._micro_batch(micro, params))
             if rounder is not None:
@@ -444,7 +445,7 @@ class Executor:
                 if attempt:
                     self._load_model_tensors(buffers)  # this rank's parts left theirs
                     self.workers.start()
-                parts = self.workers.parts(self, t, self._micro_batches(batch), log)
+                parts = self.workers.parts(self, t, self._micro_batches(batch), log, buffers)
                 break
             except WorkerError as err:
                 if attempt == WORKER_RESTARTS:
