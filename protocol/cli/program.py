@@ -71,6 +71,10 @@ class _TallyingRecorder(SiteRecorder):
         self.ops.append(op)
         return out
 
+    def claim_exact_site(self, op: str, numel: int) -> bool:
+        self.ops.append(op)
+        return super().claim_exact_site(op, numel)
+
     def tally(self) -> tuple[Counter[str], Counter[str], Counter[str]]:
         """Sites, rounded elements and logged entries per op, over the sites rounded so far."""
         sites: Counter[str] = Counter()

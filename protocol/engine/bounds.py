@@ -1,4 +1,4 @@
-"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 1).
+"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 2).
 
 For each element `y` of a rounding site, the op's rule gives `e ≥ 0` such that *every*
 conforming implementation of the op on the same (target-representable) inputs — any summation
@@ -25,8 +25,11 @@ The rules:
   *Accuracy and Stability of Numerical Algorithms*, 2nd ed., §3.1 and Lemma 3.1; §3.5 for
   inner products). `S` over-estimates `Σ|terms|` cheaply: by Cauchy–Schwarz (`‖a_i‖·‖b_j‖`)
   for the matmul family and convolutions, else by the same op on `|inputs|` (one extra pass).
-- **own rules** for a few fused elementwise ops (axpy-style add, addcmul, addcdiv, lerp),
-  each a short rounding-error sum in the docstring.
+- **own rules** for a few fused elementwise ops (axpy-style add, lerp with tensor weights),
+  each a short rounding-error sum in the docstring;
+- **fixed formulas** (`e = 0`): addcmul, addcdiv and lerp with a scalar weight, which ovt
+  computes as a fixed sequence of IEEE operations (`protocol.engine.pointwise`), so that every
+  conforming machine gets the same bits (`FIXED_FORMULA`).
 
 Every bound also carries an absolute floor of `K` (or `n`) compute-dtype subnormal units, for
 results that underflow. Ops without a rule are decomposed into ops with one
@@ -248,30 +251,14 @@ def _axpy(ctx, func, args, kwargs, ys) -> list[Bound]:
     return [ctx.sum_bound(2, _mag(a) + abs(float(alpha)) * _mag(b))]
 
 
-def _addcmul(ctx, func, args, kwargs, ys) -> list[Bound]:
-    """addcmul(s, t1, t2, value) = s + value·t1·t2: three roundings (two products and the sum, or
-    fewer with FMA): |error| <= γ_3·(|s| + |value·t1·t2|)."""
-    s, t1, t2 = args[0], args[1], args[2]
-    value = _arg(args, kwargs, 3, "value", 1)
-    return [ctx.sum_bound(3, s.abs() + _mag(value) * (t1 * t2).abs())]
-
-
-def _addcdiv(ctx, func, args, kwargs, ys) -> list[Bound]:
-    """addcdiv(s, t1, t2, value) = s + value·t1/t2: a division (or a reciprocal and a multiply),
-    a product and a sum, at most four roundings: |error| <= γ_4·(|s| + |value·t1/t2|)."""
-    s, t1, t2 = args[0], args[1], args[2]
-    value = _arg(args, kwargs, 3, "value", 1)
-    return [ctx.sum_bound(4, s.abs() + _mag(value) * (t1 / t2).abs())]
-
-
 def _lerp(ctx, func, args, kwargs, ys) -> list[Bound]:
-    """lerp(s, end, w): ATen computes s + w·(end − s) for |w| < 0.5, else end − (end − s)·(1 − w)
-    (CPU and CUDA alike). Each branch is a + b·c with |b| <= |s| + |end| and c in {w, 1 − w},
-    four roundings at most: |error| <= γ_4·(|s| + |end|)·(1 + |w| + |1 − w|)."""
+    """lerp(s, end, w) with a tensor weight w (a scalar weight is a fixed formula,
+    `protocol.engine.pointwise`): ATen computes s + w·(end − s) for |w| < 0.5, else
+    end − (end − s)·(1 − w) (CPU and CUDA alike). Each branch is a + b·c with |b| <= |s| + |end|
+    and c in {w, 1 − w}, four roundings at most: |error| <= γ_4·(|s| + |end|)·(1 + |w| + |1 − w|).
+    """
     s, end, w = args[0], args[1], args[2]
-    weight = (1.0 + w.abs() + (1.0 - w).abs()) if isinstance(w, torch.Tensor) else \
-        1.0 + abs(float(w)) + abs(1.0 - float(w))
-    return [ctx.sum_bound(4, (s.abs() + end.abs()) * weight)]
+    return [ctx.sum_bound(4, (s.abs() + end.abs()) * (1.0 + w.abs() + (1.0 - w).abs()))]
 
 
 # -- reductions --------------------------------------------------------------------------------
@@ -585,8 +572,6 @@ def _foreach(inner: RuleFn) -> RuleFn:
     """A _foreach_ op is its per-tensor op on each list element; so is its bound. List
     arguments are taken element-wise, anything else (a scalar, one tensor) as it is."""
     def rule(ctx, func, args, kwargs, ys) -> list[Bound]:
-        if func._overloadname == "Tensor" and len(args) > 3:  # addcmul/addcdiv: one per tensor
-            args = (*args[:3], args[3].tolist(), *args[4:])
         out: list[Bound] = []
         for i, y in enumerate(ys):
             pick = tuple(a[i] if isinstance(a, (list, tuple)) else a for a in args)
@@ -613,9 +598,7 @@ def _table() -> dict[str, Rule]:
     for name, ulps in _MAX_ULPS.items():
         add([name], Rule(f"relative({ulps} ulp)", _relative(ulps, _FLOOR_NORMALS.get(name, 0.0)),
                          reads_inputs=False), foreach=True)
-    add(["addcmul"], Rule("addcmul", _addcmul), foreach=True)
-    add(["addcdiv"], Rule("addcdiv", _addcdiv), foreach=True)
-    add(["lerp"], Rule("lerp", _lerp), foreach=True)
+    add(["lerp"], Rule("lerp", _lerp), foreach=True)  # tensor weights; else FIXED_FORMULA
     add(["sum"], Rule("sum", _sum))
     add(["mean"], Rule("mean", _linear(_mean_count)))
     add(["cumsum"], Rule("cumsum", _linear(_cumsum_count)))
@@ -642,6 +625,11 @@ def _table() -> dict[str, Rule]:
 
 _RULES = _table()
 _ZERO = _RULES["mul"]
+
+# The rule of a fixed-formula op (`protocol.engine.pointwise.is_fixed`): ovt computes it as a
+# fixed sequence of correctly rounded IEEE operations, the same bits on every conforming
+# machine (IEEE-754 §5.4.1, as `_zero`), so e = 0. The interceptor gives it before `rule_of`.
+FIXED_FORMULA = Rule("fixed-formula", _zero, reads_inputs=False)
 
 # prims reach the interceptor only from decompositions; the few used there have rules.
 _PRIMS = {prims.sum.default: _RULES["sum"], prims.div.default: _RULES["div"]}

@@ -43,6 +43,9 @@ class CapturingRecorder(SiteRecorder):
         self._probe_sites: list[tuple[int, int]] = []
         self._offset = 0
 
+    def claim_exact_site(self, op: str, numel: int) -> bool:
+        return False  # every site's values go to the probe, so every site is widened
+
     def round_site(self, op, ys, bounds):
         values = site_values(ys).detach().cpu().contiguous().numpy()
         self._file.write(values.tobytes())
@@ -98,6 +101,9 @@ class ComparingReplayer(SiteReplayer):
 
     def bounds_needed(self) -> bool:
         return True  # every site's divergence is measured against its bounds
+
+    def claim_exact_site(self, op: str, numel: int) -> bool:
+        return False  # (the same: every site's values are compared)
 
     def round_site(self, op, ys, bounds: list[Bound]):
         k = self.position

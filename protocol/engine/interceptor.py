@@ -31,7 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from protocol.engine.bounds import BoundContext, Rule, bounds_for, rule_of
+from protocol.engine import pointwise
+from protocol.engine.bounds import FIXED_FORMULA, BoundContext, Rule, bounds_for, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
 from protocol.engine.precision import PrecisionPolicy
@@ -108,6 +109,26 @@ def _copy_of(ids: set[int]):
     return copy
 
 
+@lru_cache(maxsize=1024)
+def _functional_of(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The out-of-place form of an in-place op that writes its first argument only
+    (`addcmul_` -> `addcmul`, `_foreach_lerp_.Scalar` -> `_foreach_lerp.Scalar`), or None.
+    A rule that reads an in-place op's inputs then reads them unchanged, with no copy taken
+    before the op runs; the result is the value written, rounded and copied back as before."""
+    name = func.overloadpacket.__name__
+    positions, names = mutated_args(func)
+    arguments = func._schema.arguments
+    if not name.endswith("_") or name.endswith("__") or positions != {0} or \
+            names != {arguments[0].name}:
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    if not isinstance(functional, torch._ops.OpOverload) or \
+            [a.name for a in functional._schema.arguments] != [a.name for a in arguments]:
+        return None
+    return functional
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.device)
 
@@ -160,7 +181,13 @@ class RoundingMode(TorchDispatchMode):
     # -- FLOAT ops -----------------------------------------------------------------------------
 
     def _float_op(self, func, args, kwargs):
-        rule = rule_of(func, args, kwargs)
+        elements = pointwise.operands(func, args, kwargs)
+        if elements is not None:
+            done = self._fused_pointwise(func, args, elements)
+            if done is not None:
+                return done[0]
+        fixed = elements is not None and pointwise.is_fixed(func)
+        rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
         positions, names = mutated_args(func)
@@ -179,11 +206,51 @@ class RoundingMode(TorchDispatchMode):
         if not self._bounds_needed():
             rule = None  # (e = 0 for the rounder, which does not read it)
         inputs = (wide_args, wide_kwargs)
-        if writes and rule is not None and rule.reads_inputs:  # it reads what the op overwrites
-            inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
-        out = self.compute(func, wide_args, wide_kwargs)
         keep_compute = requested == self.policy.compute or (requested is None and not found[0])
+        functional = _functional_of(func) if writes and rule is not None and \
+            rule.reads_inputs else None  # the rule reads what the op overwrites
+        out: Any
+        if fixed:  # SPEC §3.2.1: ovt's formula, never ATen's kernel, computed out of place
+            fixed_elements = pointwise.operands(func, wide_args, wide_kwargs)
+            assert fixed_elements is not None
+            results = [pointwise.fixed_result(e) for e in fixed_elements]
+            out = results if pointwise.family(func)[1] else results[0]
+        elif functional is not None:  # out of place, so that the inputs stay as they were
+            out = self.compute(functional, wide_args, wide_kwargs)
+            results = list(out) if isinstance(out, (list, tuple)) else [out]
+        else:
+            if writes and rule is not None and rule.reads_inputs:
+                inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
+            out = self.compute(func, wide_args, wide_kwargs)
+        if (fixed or functional is not None) and writes:  # the results are the values written
+            writes[:] = [(orig, r) for (orig, _), r in zip(writes, results, strict=True)]
+            if not func._schema.returns:  # a foreach op's in-place form returns nothing
+                out = None
         return self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
+
+    def _fused_pointwise(self, func, args, elements: list[pointwise.Elementwise]
+                         ) -> tuple[Any] | None:
+        """Compute an op with `e = 0` straight from its target-dtype inputs in one fused pass
+        (`pointwise`), as a site of its own with nothing in its band; `(result,)`, or None where
+        the fused pass does not serve it (then the widened path computes the same bits). The
+        rounder claims the site first (`claim_exact_site`); one that must see every site's wide
+        values, or a replayer whose log has entries here (a violation it reports with the
+        values), declines."""
+        policy = self.policy
+        claim = getattr(self.rounder, "claim_exact_site", None)
+        _, foreach, in_place = pointwise.family(func)
+        if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32):
+            return None
+        calls = pointwise.fused_plan(elements, in_place)
+        if calls is None or not claim(op_name(func),
+                                      sum(c.element.a.numel() for c in calls)):
+            return None
+        results = pointwise.run_fused(calls, in_place, self._round_scalar)
+        if in_place:
+            for e in elements:
+                self._widened.forget(e.a)
+            return (None if foreach else args[0],)
+        return (results if foreach else results[0],)
 
     def _requested_dtype(self, func, kwargs) -> torch.dtype | None:
         """The floating `dtype=` an op was asked for, if any; refuse one the policy does not

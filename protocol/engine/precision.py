@@ -36,8 +36,10 @@ from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.errors import ConfigError
 
 # The version of the bound rules (SPEC §3.2.1) this engine certifies with. A job names it, so a
-# party with other rules refuses the job instead of disagreeing about its bands.
-RULES_VERSION = 1
+# party with other rules refuses the job instead of disagreeing about its bands. Version 2:
+# addcmul, addcdiv and lerp with a scalar weight are fixed formulas with e = 0
+# (`protocol.engine.pointwise`) instead of bounded ATen kernels.
+RULES_VERSION = 2
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute
 # dtype's `.to(target)` must be a single correctly rounded nearest-even conversion, which holds
@@ -176,25 +178,20 @@ def toward_boundary(y: torch.Tensor, r: torch.Tensor, policy: PrecisionPolicy) -
     return torch.where(nearest >= a, sign, -sign).to(y.dtype)
 
 
-def _half_gap_up(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    return target_ulp(r, policy) * 0.5
-
-
-def _half_gap_down(r: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
-    ulp = target_ulp(r, policy)
-    return torch.where(_power_of_two(r, policy), ulp * 0.25, ulp * 0.5)
-
-
 def _boundaries(r: torch.Tensor, policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
     """The magnitudes of the rounding boundaries above |r| and below it (float64, exact).
 
-    Below a zero `r` the "boundary" is the negative one's mirror, never the nearest. Above the
-    largest finite target value the boundary is the overflow threshold, `max + ULP/2`: RNE
-    gives infinity from there (IEEE-754 §4.3.1), so an infinite `r` has it below and none above;
-    a result near it is a rounding choice like any other (finite largest value or infinity).
+    Half `r`'s ULP above; half the gap below it beneath, a quarter ULP when |r| is a power of
+    two (the binade changes). Below a zero `r` the "boundary" is the negative one's mirror,
+    never the nearest. Above the largest finite target value the boundary is the overflow
+    threshold, `max + ULP/2`: RNE gives infinity from there (IEEE-754 §4.3.1), so an infinite
+    `r` has it below and none above; a result near it is a rounding choice like any other
+    (finite largest value or infinity).
     """
     b = r.to(torch.float64).abs()
-    above, below = b + _half_gap_up(r, policy), b - _half_gap_down(r, policy)
+    ulp = target_ulp(r, policy)
+    half = ulp * 0.5
+    above, below = b + half, b - torch.where(_power_of_two(r, policy), ulp * 0.25, half)
     return above, torch.where(torch.isinf(r), policy.overflow, below)
 
 

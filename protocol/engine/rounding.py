@@ -110,6 +110,12 @@ class SiteRecorder:
         self._numels.append(offset)
         return out
 
+    def claim_exact_site(self, op: str, numel: int) -> bool:
+        """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
+        nearest-even itself (`pointwise`): nothing of it is in the band, so nothing is logged."""
+        self._numels.append(numel)
+        return True
+
     @property
     def sites(self) -> list[SiteLog]:
         """The sites rounded so far, each with its entries."""
@@ -214,6 +220,22 @@ class SiteReplayer:
             out.append(_shaped(r, y))
             offset += y.numel()
         return out
+
+    def claim_exact_site(self, op: str, numel: int) -> bool:
+        """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
+        nearest-even itself (`pointwise`), if the log's next site is that: inside this
+        micro-batch's part, of `numel` elements, without entries. Otherwise claim nothing and
+        return False: the caller then rounds the site through `round_site`, which reports what
+        is wrong (an entry at a site with `e = 0` is a violation) with the replayed values."""
+        if self._parts_done < len(self.log.parts) and self.position >= self._part_end():
+            return False
+        if self.position >= len(self.log.sites):
+            return False
+        site = self.log.sites[self.position]
+        if site.numel != numel or site.indices.size or site.value_indices.size:
+            return False
+        self.position += 1
+        return True
 
     def bounds_needed(self) -> bool:
         """Whether the next site has log entries, the only sites whose bounds replay reads

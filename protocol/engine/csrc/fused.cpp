@@ -5,7 +5,11 @@
 //   float32 roundings and the flat indices that may lie in the band, with each element's bound
 //   e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
-// - sum_terms, what the exact-sum rule (bounds.py `_smallest_terms`) needs of a sum's terms.
+// - sum_terms, what the exact-sum rule (bounds.py `_smallest_terms`) needs of a sum's terms;
+// - pointwise, an elementwise op whose float64 result is fixed by IEEE-754 (a correctly rounded
+//   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
+//   from float32 inputs and rounded to float32 in one pass, as the torch ops on widened inputs
+//   compute it.
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
 // never one fused multiply-add.
@@ -207,6 +211,122 @@ int64_t smallest_in_rows(const double* x, int64_t* m, int64_t reduced, int64_t o
   return ok;
 }
 
+// The elementwise ops of `pointwise` (pointwise.py `_CODES`), each as a float64 expression of
+// float32 values a, b, c and a scalar v, evaluated in the order written (-ffp-contract=off).
+enum Pointwise : int64_t {
+  kMulScalar = 0,  // a * v
+  kMul = 1,        // a * b
+  kAddScalar = 2,  // a + v
+  kAdd = 3,        // a + b
+  kSub = 4,        // a - b
+  kAddcmul = 5,    // a + (v * b) * c
+  kAddcdiv = 6,    // a + v * (b / c)
+  kLerp = 7,       // a + v * (b - a)
+};
+
+// out[i] = float32(op(a[i], b[i], c[i], v)) for i in [begin, end); compiled for AVX2 too.
+// Element i of every input is read before out[i] is written, so out may be a (whole) input.
+OVT_CLONES
+void pointwise_range(int64_t op, const float* a, const float* b, const float* c, double v,
+                     float* out, int64_t begin, int64_t end) {
+  switch (op) {
+    case kMulScalar:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} * v);
+      break;
+    case kMul:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} * double{b[i]});
+      break;
+    case kAddScalar:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} + v);
+      break;
+    case kAdd:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} + double{b[i]});
+      break;
+    case kSub:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} - double{b[i]});
+      break;
+    case kAddcmul:
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = static_cast<float>(double{a[i]} + (v * double{b[i]}) * double{c[i]});
+      }
+      break;
+    case kAddcdiv:
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = static_cast<float>(double{a[i]} + v * (double{b[i]} / double{c[i]}));
+      }
+      break;
+    case kLerp:
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = static_cast<float>(double{a[i]} + v * (double{b[i]} - double{a[i]}));
+      }
+      break;
+    default:
+      break;
+  }
+}
+
+const float* operand(const c10::optional<at::Tensor>& t, int64_t numel, const char* name,
+                     bool needed) {
+  if (!needed) return nullptr;
+  TORCH_CHECK(t.has_value(), "pointwise: this op needs ", name);
+  TORCH_CHECK(t->dtype() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
+                  t->numel() == numel,
+              "pointwise: ", name, " must be a contiguous float32 CPU tensor of ", numel,
+              " elements");
+  return t->data_ptr<float>();
+}
+
+// b broadcast over out: b[(i / b_inner) % b_count] for element i (pointwise.py `_broadcast`).
+// Where b_inner > 1 a run of b_inner elements shares one b value, which enters as the scalar of
+// the code's scalar form (a - b as a + (-b): the same IEEE operation); where b_inner is 1 each
+// row of b_count elements reads all of b.
+void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out, int64_t n,
+                         int64_t b_inner, int64_t b_count) {
+  if (b_inner == 1) {
+    const int64_t rows = n / b_count;
+    at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / b_count), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        pointwise_range(op, a + r * b_count, b, nullptr, 0.0, out + r * b_count, 0, b_count);
+      }
+    });
+    return;
+  }
+  const int64_t runs = n / b_inner;
+  const int64_t scalar_op = op == kMul ? kMulScalar : kAddScalar;
+  at::parallel_for(0, runs, std::max<int64_t>(1, kGrain / b_inner), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const double bv = b[s % b_count];
+      pointwise_range(scalar_op, a + s * b_inner, nullptr, nullptr, op == kSub ? -bv : bv,
+                      out + s * b_inner, 0, b_inner);
+    }
+  });
+}
+
+void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>& b,
+               const c10::optional<at::Tensor>& c, double v, const at::Tensor& out,
+               int64_t b_inner, int64_t b_count) {
+  TORCH_CHECK(op >= kMulScalar && op <= kLerp, "pointwise: unknown op ", op);
+  const int64_t n = a.numel();
+  const float* ap = operand(a, n, "a", true);
+  operand(out, n, "out", true);
+  float* outp = out.data_ptr<float>();
+  const bool broadcast = b_inner != 1 || b_count != n;
+  if (broadcast) {
+    TORCH_CHECK(op == kMul || op == kAdd || op == kSub, "pointwise: only mul, add and sub "
+                "broadcast b");
+    TORCH_CHECK(b_inner >= 1 && b_count >= 1 && n % (b_inner * b_count) == 0,
+                "pointwise: b of ", b_count, " values in runs of ", b_inner,
+                " does not tile ", n, " elements");
+    pointwise_broadcast(op, ap, operand(b, b_count, "b", true), outp, n, b_inner, b_count);
+    return;
+  }
+  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar);
+  const float* cp = operand(c, n, "c", op == kAddcmul || op == kAddcdiv);
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    pointwise_range(op, ap, bp, cp, v, outp, begin, end);
+  });
+}
+
 const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* name) {
   TORCH_CHECK(t.has_value(), "round_band: this mode needs ", name);
   TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->device().is_cpu(),
@@ -308,10 +428,14 @@ TORCH_LIBRARY(ovt, lib) {
       "round_band(Tensor y, int mode, Tensor? m, Tensor? col, Tensor? add, int inner, int rows, "
       "float scale, float floor) -> (Tensor, Tensor)");
   lib.def("sum_terms(Tensor x, int outer, int reduced, int inner) -> (Tensor, bool)");
+  lib.def(
+      "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
+      "int b_count) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
+  lib.impl("pointwise", &pointwise);
   lib.impl("sum_terms", &sum_terms);
 }
 

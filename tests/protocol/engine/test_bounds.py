@@ -11,7 +11,7 @@ which hold float32-representable values, and the implementation's own float64 re
   decided with `math.fsum` and, near the bound, in integers (`exact_sums`);
 - library functions (exp, log, ..., pow, div): the exact value is mpmath's at 200 bits, and the
   comparison is made in mpmath;
-- the own elementwise rules (alpha-scaled add/sub, addcmul, addcdiv, lerp) and the zero rule:
+- the own elementwise rules (alpha-scaled add/sub, lerp with tensor weights) and the zero rule:
   rationals (`fractions.Fraction`), exact.
 
 The implementations ("machines") are the native float64 kernels with one and two threads (and,
@@ -947,34 +947,6 @@ def test_add_sub_rsub_with_alpha(alpha):
               lambda x: x + Q(alpha) * Q(s), {"two-roundings": lambda x: x + alpha * s})
 
 
-ADDC_VALUES = [1.0, float(f32(0.1)), -2.0, float(f32(-1e-20)), float(f32(3e20))]
-
-
-@pytest.mark.parametrize("value", ADDC_VALUES)
-def test_addcmul_addcdiv(value):
-    s, t1, t2 = elementwise_pairs(41)
-    rng = np.random.default_rng(42)
-    k = 60  # s ≈ −value·t1·t2 and −value·t1/t2: cancellation
-    with np.errstate(all="ignore"):
-        s_mul = np.concatenate([s, f32(-value * t1[:k] * t2[:k]
-                                       * (1 + rng.choice([0, 2.0**-21], k)))])
-        s_div = np.concatenate([s, f32(-value * t1[:k] / t2[:k])])
-    s_mul, s_div = (np.where(np.isfinite(x), x, 0.0) for x in (s_mul, s_div))  # float32 only
-    t1, t2 = np.concatenate([t1, t1[:k]]), np.concatenate([t2, t2[:k]])
-    kw = {"value": value}
-    v = Q(value)
-    check_own("addcmul", aten.addcmul.default, [s_mul, t1, t2], kw, (),
-              lambda a, b, c: a + v * b * c,
-              {"left-to-right": lambda a, b, c: a + value * b * c,
-               "product-first": lambda a, b, c: a + value * (b * c)})
-    keep = t2 != 0
-    check_own("addcdiv", aten.addcdiv.default, [s_div[keep], t1[keep], t2[keep]], kw, (),
-              lambda a, b, c: a + v * b / c,
-              {"left-to-right": lambda a, b, c: a + value * b / c,
-               "quotient-first": lambda a, b, c: a + value * (b / c),
-               "reciprocal-multiply": lambda a, b, c: a + (value * b) * (1.0 / c)})
-
-
 LERP_WEIGHTS = [0.0, 0.25, float(f32(0.4999999)), 0.5, float(f32(0.5000001)), 1.0,
                 float(f32(-1e-3)), 2.0, float(f32(-37.5)), float(f32(1e-30))]
 
@@ -988,15 +960,12 @@ def _lerp_formulas() -> dict[str, Callable]:
             "two-products": lambda s, end, w: (1 - w) * s + w * end}
 
 
-def test_lerp_scalar_and_tensor_weights():
+def test_lerp_tensor_weights():
+    """(A scalar weight is a fixed formula with e = 0: tests/protocol/engine/test_pointwise.py.)"""
     s, end, _ = elementwise_pairs(43)
     rng = np.random.default_rng(44)
     near = f32(s[:60] * (1 + rng.choice([2.0**-20, -(2.0**-23), 0.0], 60)))
     s, end = np.concatenate([s, s[:60]]), np.concatenate([end, near])  # end ≈ s
-    for w in LERP_WEIGHTS:
-        formulas = {k: (lambda a, b, f=f, w=w: f(a, b, w)) for k, f in _lerp_formulas().items()}
-        check_own("lerp", aten.lerp.Scalar, [s, end], {}, (w,),
-                  lambda a, b, w=w: a + Q(w) * (b - a), formulas)
     wt = f32(rng.choice(LERP_WEIGHTS, s.size) * rng.choice([1.0, 1 + 2.0**-20], s.size))
     check_own("lerp", aten.lerp.Tensor, [s, end, wt], {}, (), lambda a, b, w: a + w * (b - a),
               _lerp_formulas())
@@ -1033,7 +1002,7 @@ def check_foreach(family: str, func, lists: Sequence[list[np.ndarray]], scalar_a
 
 
 def test_foreach_own_rules():
-    a, b, c = _lists(47)
+    a, b, _ = _lists(47)
     alpha = float(f32(-0.7))
     check_foreach("foreach-add-alpha", aten._foreach_add.List, [a, b], (), {"alpha": alpha},
                   lambda x, y: x + Q(alpha) * y)
@@ -1041,26 +1010,6 @@ def test_foreach_own_rules():
                   lambda x, y: x - Q(alpha) * y)
     check_foreach("foreach-add-alpha", aten._foreach_add.Tensor, [a], (t64(b[0][:1]).reshape(()),),
                   {"alpha": alpha}, lambda x, y: x + Q(alpha) * Q(y))
-    v = float(f32(0.3))
-    vs = [float(f32(-1.7)), float(f32(1e-3))]
-    nz = [np.where(x == 0, 1.0, x) for x in c]
-    check_foreach("foreach-addcmul", aten._foreach_addcmul.Scalar, [a, b, c], (v,), {},
-                  lambda s, x, y, w: s + Q(w) * x * y)
-    check_foreach("foreach-addcmul", aten._foreach_addcmul.ScalarList, [a, b, c], (vs,), {},
-                  lambda s, x, y, w: s + Q(w) * x * y)
-    check_foreach("foreach-addcmul", aten._foreach_addcmul.Tensor, [a, b, c],
-                  (torch.tensor(vs, dtype=F64),), {}, lambda s, x, y, w: s + Q(w) * x * y)
-    check_foreach("foreach-addcmul", aten._foreach_addcmul_.Scalar, [a, b, c], (v,), {},
-                  lambda s, x, y, w: s + Q(w) * x * y, inplace=True)
-    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.Scalar, [a, b, nz], (v,), {},
-                  lambda s, x, y, w: s + Q(w) * x / y)
-    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.ScalarList, [a, b, nz], (vs,), {},
-                  lambda s, x, y, w: s + Q(w) * x / y)
-    check_foreach("foreach-addcdiv", aten._foreach_addcdiv.Tensor, [a, b, nz],
-                  (torch.tensor(vs, dtype=F64),), {}, lambda s, x, y, w: s + Q(w) * x / y)
-    for w in (0.25, float(f32(0.7)), -2.0):
-        check_foreach("foreach-lerp", aten._foreach_lerp.Scalar, [a, b], (w,), {},
-                      lambda s, t, w: s + Q(w) * (t - s))
     weights = [f32(np.resize(LERP_WEIGHTS, x.size)) for x in a]
     check_foreach("foreach-lerp", aten._foreach_lerp.List, [a, b, weights], (), {},
                   lambda s, t, w: s + w * (t - s))

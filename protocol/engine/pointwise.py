@@ -1,0 +1,253 @@
+"""Elementwise ops whose compute-dtype result IEEE-754 fixes bit for bit, and the fused pass
+that computes them from target-dtype inputs in one read (SPEC §3.2.1; issues 11 and 13).
+
+Two kinds, both with `e = 0`, so their sites never log anything:
+
+- **one correctly rounded operation** — mul, and add or sub with alpha 1 — on target-dtype
+  inputs: every conforming machine returns the same compute-dtype bits (IEEE-754 §5.4.1;
+  `bounds._zero`). ATen's kernels compute them as that one operation.
+- **fixed formulas** (bound rules version 2): addcmul, addcdiv and lerp with a scalar weight,
+  the optimizer's update terms. ovt does not run ATen's kernels for them — those may contract
+  into an FMA, or branch on the weight, differently per machine — but computes them as a fixed
+  sequence of IEEE operations in the compute dtype, in this order:
+
+      addcmul(s, t1, t2, value) = s + (value·t1)·t2
+      addcdiv(s, t1, t2, value) = s + value·(t1 / t2)
+      lerp(s, end, weight)      = s + weight·(end − s)
+
+  Each step is one correctly rounded operation (value·t1, two target values, is even exact);
+  a quotient of two tensors is one IEEE division on the CPU and on CUDA alike (ATen replaces
+  a division by a reciprocal and a product only for a CPU-scalar divisor, which `_fixed` never
+  passes). So every conforming machine computes the same bits. Under bound rules version 1
+  these ops had bounds γ_3·Σ|terms| or γ_4·Σ|terms| and logged elements in their bands.
+
+On the CPU, for the float64 -> float32 policy, both kinds run as `torch.ops.ovt.pointwise`
+(`csrc/fused.cpp`): float32 inputs in, float32 results out, one pass, with no widened copy of
+any input and no band pass (nothing can be in the band of an `e = 0` site). That is the same
+bits as the torch ops on widened inputs (the float64 result is fixed, and both round it to
+nearest-even), which run everywhere else: CUDA, the bfloat16 policy, a strided call or one
+broadcast other than by runs or rows (`_broadcast`), a rounder that must see every site's wide
+values (tests/protocol/engine/test_pointwise.py). NaN results are NaN on both paths, but their
+sign and payload, which IEEE-754 leaves to the machine (§6.3), may differ: x86 takes them from
+one operand or the other by the order its instruction reads them in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeGuard
+
+import torch
+
+from protocol.engine import fused
+
+# csrc/fused.cpp `Pointwise`
+MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB, ADDCMUL, ADDCDIV, LERP = range(8)
+
+FIXED = frozenset({"addcmul", "addcdiv", "lerp"})  # computed by formula, never by ATen
+
+# The overloads taken, per op family: (single tensor, foreach). A foreach op's `.Tensor` form
+# of addcmul/addcdiv holds its scalars in a tensor; `_foreach_mul.Tensor` multiplies by one
+# tensor, and lerp's `.Tensor`/`.List` take tensor weights: those stay ATen ops.
+_OVERLOADS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "mul": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
+    "add": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
+    "sub": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
+    "addcmul": (frozenset({"default"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
+    "addcdiv": (frozenset({"default"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
+    "lerp": (frozenset({"Scalar"}), frozenset({"Scalar", "ScalarList"})),
+}
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """One result tensor of such an op: `code` (csrc `Pointwise`) applied to tensors `a`, `b`,
+    `c` (None where the code has no such operand) and the Python number `v`."""
+
+    code: int
+    a: torch.Tensor
+    b: torch.Tensor | None
+    c: torch.Tensor | None
+    v: float | int
+
+
+def family(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
+    """(op family, foreach, in place) of an op: `_foreach_addcmul_` -> ("addcmul", True, True)."""
+    name = func.overloadpacket.__name__
+    foreach = name.startswith("_foreach_")
+    if foreach:
+        name = name[len("_foreach_"):]
+    in_place = name.endswith("_") and not name.endswith("__")
+    return (name[:-1] if in_place else name), foreach, in_place
+
+
+def is_fixed(func: torch._ops.OpOverload) -> bool:
+    """Whether ovt computes `func` by its fixed formula (module docstring)."""
+    name, foreach, _ = family(func)
+    overloads = _OVERLOADS.get(name)
+    return name in FIXED and overloads is not None and func._overloadname in overloads[foreach]
+
+
+def operands(func: torch._ops.OpOverload, args: tuple, kwargs: dict
+             ) -> list[Elementwise] | None:
+    """The op as this module's elementwise ops, one per result tensor (a foreach op: one per
+    list element), or None where it is none of them: another op or overload, add or sub with
+    alpha != 1, a scalar that is not a real number, a tensor scalar list."""
+    name, foreach, _ = family(func)
+    overloads = _OVERLOADS.get(name)
+    if overloads is None or func._overloadname not in overloads[foreach]:
+        return None
+    if not foreach:
+        one = _element(name, args, kwargs)
+        return None if one is None else [one]
+    selves = args[0]
+    per_element = []
+    for i in range(len(selves)):
+        pick = tuple(a[i] if isinstance(a, (list, tuple)) else a for a in args)
+        if name in ("addcmul", "addcdiv") and func._overloadname == "Tensor":
+            pick = (*pick[:3], args[3][i].item())  # the scalars, as a tensor
+        one = _element(name, pick, kwargs)
+        if one is None:
+            return None
+        per_element.append(one)
+    return per_element
+
+
+def _number(value) -> TypeGuard[float | int]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
+    a = args[0]
+    if not isinstance(a, torch.Tensor):
+        return None
+    if name in ("mul", "add", "sub"):
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+        if name != "mul" and alpha != 1:
+            return None  # an axpy: two roundings or an FMA (bounds `_axpy`)
+        if isinstance(other, torch.Tensor):
+            return Elementwise({"mul": MUL, "add": ADD, "sub": SUB}[name], a, other, None, 0.0)
+        if not _number(other):
+            return None
+        if name == "mul":
+            return Elementwise(MUL_SCALAR, a, None, None, other)
+        return Elementwise(ADD_SCALAR, a, None, None, other if name == "add" else -other)
+    if name in ("addcmul", "addcdiv"):
+        t1, t2 = args[1], args[2]
+        value = args[3] if len(args) > 3 else kwargs.get("value", 1)
+        if not (isinstance(t1, torch.Tensor) and isinstance(t2, torch.Tensor)
+                and _number(value)):
+            return None
+        return Elementwise(ADDCMUL if name == "addcmul" else ADDCDIV, a, t1, t2, value)
+    end = args[1]  # lerp
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    if not (isinstance(end, torch.Tensor) and _number(weight)):
+        return None
+    return Elementwise(LERP, a, end, None, weight)
+
+
+def fixed_result(e: Elementwise) -> torch.Tensor:
+    """A fixed formula's compute-dtype result from compute-dtype operands, with torch ops (each
+    one IEEE operation; the formulas of the module docstring)."""
+    assert e.b is not None
+    v = float(e.v)
+    if e.code == ADDCMUL:
+        assert e.c is not None
+        return e.a + (e.b * v) * e.c
+    if e.code == ADDCDIV:
+        assert e.c is not None
+        divisor = e.c if e.c.device == e.b.device else e.c.to(e.b.device)  # never a CPU scalar
+        return e.a + (e.b / divisor) * v
+    if e.code == LERP:
+        return e.a + (e.b - e.a) * v
+    raise ValueError(f"code {e.code} is not a fixed formula")
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    """One `torch.ops.ovt.pointwise` call: `element` (its `b` possibly swapped with `a`), and
+    b's broadcast over the result (`_broadcast`); (1, numel) for none."""
+
+    element: Elementwise
+    b_inner: int
+    b_count: int
+
+
+def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] | None:
+    """The fused calls computing these, or None where `torch.ops.ovt.pointwise` does not serve
+    them: the fused passes not built or not enabled, a tensor not a contiguous float32 CPU
+    tensor, or of another shape than its result — except a mul, add or sub's `b` broadcast in
+    runs or rows (`_broadcast`), or its `a` so (mul and add commute: the operands are swapped;
+    not in place, where `a` is written). In place, the written tensors' memory is each their
+    own, and an operand may be its element's written tensor itself but no other view of written
+    memory, so that every element is read before it is written, as in the widened path, which
+    reads copies."""
+    written = {_storage(e.a) for e in elements} if in_place else set()
+    if in_place and len(written) < len(elements):
+        return None
+    calls = []
+    for e in elements:
+        tensors = [t for t in (e.a, e.b, e.c) if t is not None]
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and fused.serves(t)
+                   and t.numel() for t in tensors):
+            return None
+        if in_place and any(t is not e.a and _storage(t) in written and not (
+                _storage(t) == _storage(e.a) and t.data_ptr() == e.a.data_ptr())
+                for t in tensors):
+            return None
+        call = _call(e, in_place)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+def _call(e: Elementwise, in_place: bool) -> FusedCall | None:
+    if all(t is None or t.shape == e.a.shape for t in (e.b, e.c)):
+        return FusedCall(e, 1, e.a.numel())
+    if e.code not in (MUL, ADD, SUB) or e.b is None:
+        return None
+    spread = _broadcast(e.b.shape, e.a.shape)
+    if spread is not None:
+        return FusedCall(e, *spread)
+    spread = _broadcast(e.a.shape, e.b.shape)
+    if spread is not None and e.code != SUB and not in_place:  # a * b == b * a, bit for bit
+        return FusedCall(Elementwise(e.code, e.b, e.a, None, e.v), *spread)
+    return None
+
+
+def _broadcast(small: torch.Size, shape: torch.Size) -> tuple[int, int] | None:
+    """(inner, count) where a contiguous tensor of shape `small` broadcast to `shape` is, for
+    flat element i of the result, its element (i // inner) % count: `small` is ones, then a run
+    of `shape`'s dimensions, then ones (a row vector, a column, a channel's value...); else
+    None."""
+    if len(small) > len(shape):
+        return None
+    padded = (1,) * (len(shape) - len(small)) + tuple(small)
+    kept = [d for d, n in enumerate(padded) if n != 1]
+    if not kept:
+        return math.prod(shape), 1
+    first, last = kept[0], kept[-1]
+    if any(padded[d] != shape[d] for d in range(first, last + 1)):
+        return None
+    return math.prod(shape[last + 1:]), math.prod(shape[first:last + 1])
+
+
+def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torch.Tensor]:
+    """Make the calls (`fused_plan`): each into its element's `a` in place, else into a new
+    tensor of the result's shape. `round_scalar` rounds a Python float scalar to the target
+    dtype first (SPEC §3.3), as the widened path does."""
+    results = []
+    for call in calls:
+        e = call.element
+        out = e.a if in_place else torch.empty_like(e.a)
+        v = round_scalar(e.v) if isinstance(e.v, float) else float(e.v)
+        torch.ops.ovt.pointwise(e.code, e.a, e.b, e.c, v, out, call.b_inner, call.b_count)
+        results.append(out)
+    return results
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

@@ -1,0 +1,327 @@
+"""Fixed-formula ops and the fused pointwise pass (protocol/engine/pointwise.py; SPEC §3.2.1).
+
+The claim under test: addcmul, addcdiv and lerp with a scalar weight are computed by their
+fixed formulas, one IEEE operation at a time, so their compute-dtype result is the same bits on
+every conforming machine (e = 0, nothing logged); and the fused pass, which computes them and
+the single IEEE ops (mul, add, sub) straight from float32 inputs, gives the bits of the torch
+ops on widened inputs. The exact reference is numpy's float64 arithmetic, one ufunc per
+operation (each correctly rounded, never contracted), rounded to float32 by numpy's cast.
+Inputs are hard: heavy cancellation, subnormals, zeros (and zero divisors), ±inf, NaN, values
+near float32's overflow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.engine import fused, pointwise
+from protocol.engine.interceptor import RoundingMode
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.rounding import SiteRecorder, SiteReplayer
+from protocol.errors import LogViolationError
+
+POLICY = PrecisionPolicy()
+needs_fused = pytest.mark.skipif(fused.MISSING is not None,
+                                 reason=f"the fused passes are not built: {fused.MISSING}")
+
+
+def hard(seed: int, n: int = 4099) -> np.ndarray:
+    """float32 values of every magnitude, with zeros, subnormals, ±inf, NaN and huge values."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=n) * 10.0 ** rng.integers(-30, 30, size=n)).astype(np.float32)
+    specials = np.array([0.0, -0.0, 2.0**-149, -(2.0**-140), 2.0**-126, np.inf, -np.inf, np.nan,
+                         3.4e38, -3.4e38, 1.0, -1.0], dtype=np.float32)
+    where = rng.choice(n, size=4 * specials.size, replace=False)
+    x[where] = np.tile(specials, 4)
+    return x
+
+
+def cancelling(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """s, t1, t2 where s ≈ −t1·t2 and −t1/t2 for a third of the elements: the results are far
+    below the terms, where a bounded rule would have logged the most."""
+    rng = np.random.default_rng(seed)
+    s, t1, t2 = hard(seed), hard(seed + 1), hard(seed + 2)
+    k = s.size // 3
+    with np.errstate(all="ignore"):
+        s[:k] = (-(t1[:k].astype(np.float64) * t2[:k]) * (1 + rng.choice([0, 2.0**-22], k))
+                 ).astype(np.float32)
+        s[k:2 * k] = (-(t1[k:2 * k].astype(np.float64) / t2[k:2 * k])).astype(np.float32)
+    return s, t1, t2
+
+
+def q(v: float) -> float:
+    """A Python float scalar as the interceptor rounds it (float32, SPEC §3.3)."""
+    return float(np.float32(v))
+
+
+def reference(code: int, a, b, c, v) -> np.ndarray:
+    """The formula in float64, one correctly rounded numpy operation at a time, cast to float32."""
+    a, b = a.astype(np.float64), None if b is None else b.astype(np.float64)
+    c = None if c is None else c.astype(np.float64)
+    with np.errstate(all="ignore"):
+        y = {pointwise.MUL_SCALAR: lambda: a * v, pointwise.MUL: lambda: a * b,
+             pointwise.ADD_SCALAR: lambda: a + v, pointwise.ADD: lambda: a + b,
+             pointwise.SUB: lambda: a - b, pointwise.ADDCMUL: lambda: a + (v * b) * c,
+             pointwise.ADDCDIV: lambda: a + v * (b / c),
+             pointwise.LERP: lambda: a + v * (b - a)}[code]()
+        return y.astype(np.float32)
+
+
+def assert_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
+    assert got.dtype == torch.float32, what
+    g = got.contiguous().view(torch.int32).numpy()
+    w = want.view(np.int32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got.numpy()), nan), what
+    assert np.array_equal(g[~nan], w[~nan]), f"{what}: {int((g[~nan] != w[~nan]).sum())} differ"
+
+
+T = torch.from_numpy
+
+
+def cases(seed: int):
+    """(name, call on (s, t1, t2) float32 tensors, code, scalar, in place)."""
+    s, t1, t2 = cancelling(seed)
+    v, w = -0.3, 0.7  # rounded to float32 first
+    yield s, t1, t2, [
+        ("addcmul", lambda x, y, z: torch.addcmul(x, y, z, value=v), pointwise.ADDCMUL, q(v)),
+        ("addcmul_", lambda x, y, z: x.addcmul_(y, z, value=v), pointwise.ADDCMUL, q(v)),
+        ("addcdiv", lambda x, y, z: torch.addcdiv(x, y, z, value=v), pointwise.ADDCDIV, q(v)),
+        ("addcdiv_", lambda x, y, z: x.addcdiv_(y, z, value=v), pointwise.ADDCDIV, q(v)),
+        ("lerp", lambda x, y, z: torch.lerp(x, y, w), pointwise.LERP, q(w)),
+        ("lerp_ small", lambda x, y, z: x.lerp_(y, 0.25), pointwise.LERP, 0.25),
+        ("mul", lambda x, y, z: x * y, pointwise.MUL, 0.0),
+        ("mul scalar", lambda x, y, z: x * 0.1, pointwise.MUL_SCALAR, q(0.1)),
+        ("mul int", lambda x, y, z: x * 3, pointwise.MUL_SCALAR, 3.0),
+        ("mul_", lambda x, y, z: x.mul_(y), pointwise.MUL, 0.0),
+        ("add", lambda x, y, z: x + y, pointwise.ADD, 0.0),
+        ("add scalar", lambda x, y, z: x + 1e-8, pointwise.ADD_SCALAR, q(1e-8)),
+        ("sub", lambda x, y, z: x - y, pointwise.SUB, 0.0),
+        ("sub scalar", lambda x, y, z: torch.sub(x, 2.5), pointwise.ADD_SCALAR, -2.5),
+        ("add_", lambda x, y, z: x.add_(y), pointwise.ADD, 0.0),
+    ]
+
+
+class Exact(SiteRecorder):
+    """A recorder that counts the sites it claims and the sites handed to `round_site`."""
+
+    def __init__(self, policy=POLICY, claims: bool = True) -> None:
+        super().__init__(policy)
+        self.claimed: list[tuple[str, int]] = []
+        self.rounded: list[tuple[str, list[torch.Tensor]]] = []
+        self.claims = claims
+
+    def claim_exact_site(self, op, numel):
+        if not self.claims:
+            return False
+        self.claimed.append((op, numel))
+        return super().claim_exact_site(op, numel)
+
+    def round_site(self, op, ys, bounds):
+        self.rounded.append((op, [y.clone() for y in ys]))
+        return super().round_site(op, ys, bounds)
+
+
+@pytest.mark.parametrize("path", ["fused", "torch"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_op_gives_its_formula_bit_for_bit(path, threads, seed, monkeypatch):
+    if path == "fused" and fused.MISSING is not None:
+        pytest.skip(f"the fused passes are not built: {fused.MISSING}")
+    monkeypatch.setattr(fused, "ENABLED", path == "fused")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for s, t1, t2, ops in cases(seed):
+            for name, call, code, v in ops:
+                x, y, z = T(s.copy()), T(t1.copy()), T(t2.copy())
+                rec = Exact()
+                with RoundingMode(POLICY, rec):
+                    out = call(x, y, z)
+                operand_c = t2 if code in (pointwise.ADDCMUL, pointwise.ADDCDIV) else None
+                operand_b = None if code in (pointwise.MUL_SCALAR, pointwise.ADD_SCALAR) else t1
+                want = reference(code, s, operand_b, operand_c, v)
+                assert_bits(out, want, f"{name} ({path})")
+                if name.endswith("_") or name.endswith("small"):
+                    assert out is x, name
+                # one site of s.size elements, logged nothing, taken by the fused pass or not
+                assert [site.numel for site in rec.sites] == [s.size], name
+                assert not any(site.indices.size or site.value_indices.size
+                               for site in rec.sites), name
+                assert len(rec.claimed) == (1 if path == "fused" else 0), name
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_widened_path_computes_the_formula_not_aten():
+    """The compute-dtype values handed to the rounder are the formula's, bit for bit, even for
+    lerp with a weight >= 0.5, where ATen's kernel computes end − (end − s)·(1 − w) instead."""
+    s, t1, t2 = cancelling(5)
+    rec = Exact(claims=False)
+    with RoundingMode(POLICY, rec):
+        torch.lerp(T(s), T(t1), 0.75)
+        torch.addcmul(T(s), T(t1), T(t2), value=0.5)
+    a, b, c = (x.astype(np.float64) for x in (s, t1, t2))
+    with np.errstate(all="ignore"):
+        formulas = [a + 0.75 * (b - a), a + (0.5 * b) * c]
+    for (op, [y]), want in zip(rec.rounded, formulas, strict=True):
+        got = y.numpy()
+        same = (got.view(np.int64) == want.view(np.int64)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), op
+    aten = torch.lerp(T(s).double(), T(t1).double(), 0.75).numpy()
+    finite = np.isfinite(aten) & np.isfinite(formulas[0])
+    assert (aten[finite] != formulas[0][finite]).any()  # (else this proves nothing)
+
+
+@needs_fused
+@pytest.mark.parametrize("overload", ["Scalar", "ScalarList", "Tensor"])
+def test_foreach_forms_are_one_site_and_the_formula(overload):
+    sizes = (300, 1, 77)
+    s, t1, t2 = cancelling(7)
+    cuts = np.cumsum(sizes)[:-1]
+    ss, aa, bb = (np.split(x[:sum(sizes)], cuts) for x in (s, t1, t2))
+    values = [0.3, -2.0, 1e-3]
+    for path in ("fused", "torch"):
+        for name in ("addcmul", "addcdiv"):
+            scalars = {"Scalar": values[0], "ScalarList": values,
+                       "Tensor": torch.tensor(values, dtype=torch.float32)}[overload]
+            xs = [T(x.copy()) for x in ss]
+            rec = Exact()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "ENABLED", path == "fused")
+                with RoundingMode(POLICY, rec):
+                    getattr(torch, f"_foreach_{name}_")(xs, [T(x) for x in aa],
+                                                        [T(x) for x in bb], scalars)
+            code = pointwise.ADDCMUL if name == "addcmul" else pointwise.ADDCDIV
+            for i, x in enumerate(xs):
+                v = q(values[0] if overload == "Scalar" else values[i])
+                assert_bits(x, reference(code, ss[i], aa[i], bb[i], v), f"{name} {i} {path}")
+            assert [site.numel for site in rec.sites] == [sum(sizes)]
+            assert len(rec.claimed) == (1 if path == "fused" else 0)
+
+
+def _both_paths(call) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`call()` under record on the fused and the torch path: the two results and whether the
+    fused path claimed the site."""
+    out, claimed = {}, False
+    for path in ("fused", "torch"):
+        rec = Exact()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "ENABLED", path == "fused")
+            with RoundingMode(POLICY, rec):
+                out[path] = call().clone()
+        claimed |= bool(rec.claimed)
+        assert [site.numel for site in rec.sites] == [out[path].numel()]
+    return out["fused"], out["torch"], claimed
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal bits, except that any NaN equals any NaN: IEEE-754 leaves a NaN result's sign and
+    payload to the machine (§6.2.3, §6.3), and x86 takes them from one operand or the other by
+    the order an instruction reads them in."""
+    view = torch.int32 if x.dtype == torch.float32 else torch.int64
+    nan = torch.isnan(x)
+    return x.shape == y.shape and torch.equal(nan, torch.isnan(y)) and \
+        torch.equal(x[~nan].view(view), y[~nan].view(view))
+
+
+@needs_fused
+def test_broadcast_mul_add_sub_are_fused_with_the_same_bits():
+    """A mul, add or sub whose other operand is a row, a column, a channel value or one value
+    broadcast over the result is fused (a broadcast `a` of a mul or add too, swapped)."""
+    s, t1, _ = cancelling(9)
+    x = T(s[:4096].copy()).reshape(4, 8, 128)
+    other = {"rows": (4, 8, 1), "columns": (128,), "planes": (8, 128), "channels": (1, 8, 1),
+             "one": (1,), "leading": (4, 1, 1)}
+    ops = {"mul": torch.mul, "add": torch.add, "sub": torch.sub}
+    for shape_name, shape in other.items():
+        b = T(t1[:int(np.prod(shape))].copy()).reshape(shape)
+        for name, op in ops.items():
+            calls = {"b": lambda op=op, b=b: op(x, b),
+                     "in place": lambda name=name, b=b: getattr(x.clone(), name + "_")(b)}
+            if name != "sub":
+                calls["a"] = lambda op=op, b=b: op(b, x)
+            for which, call in calls.items():
+                got, want, claimed = _both_paths(call)
+                assert claimed, (shape_name, name, which)
+                assert _same(got, want), (shape_name, name, which)
+    want = reference(pointwise.MUL, s[:4096], np.broadcast_to(t1[:128], (32, 128)).reshape(-1),
+                     None, 0.0)
+    assert np.array_equal((x * T(t1[:128].copy())).numpy().reshape(-1).view(np.int32),
+                          want.view(np.int32))
+
+
+def _add_shifted(buf: torch.Tensor) -> torch.Tensor:
+    """buf[i] += buf[i + 1], in place over the same memory."""
+    return buf[:-1].add_(buf[1:])
+
+
+@needs_fused
+def test_the_fused_pass_declines_what_it_cannot_read_in_order():
+    """A broadcast with a gap, a broadcast `a` of a sub, strided and float64 operands, and an
+    in-place write over memory an operand partly shares take the widened path — with the same
+    bits."""
+    s, t1, _ = cancelling(9)
+    x = T(s[:4096].copy()).reshape(64, 64)
+    gap = T(t1[:64].copy()).reshape(4, 1, 16)
+    buf = T(s[:4097].copy())
+    calls = {
+        "gap": lambda: x.reshape(4, 64, 16) * gap,
+        "sub of a broadcast a": lambda: T(t1[:64].copy()).reshape(64, 1) - x,
+        "strided": lambda: x.t() * x,
+        "float64": lambda: x * x.double(),
+        "overlap": lambda: _add_shifted(buf.clone()),
+    }
+    for name, call in calls.items():
+        got, want, claimed = _both_paths(call)
+        assert not claimed, name
+        assert _same(got, want), name
+    # an operand that is the written tensor itself is read in order: x.mul_(x) is fused
+    y = T(s.copy())
+    rec = Exact()
+    with RoundingMode(POLICY, rec):
+        y.mul_(y)
+    assert rec.claimed and np.array_equal(y.numpy().view(np.int32),
+                                          reference(pointwise.MUL, s, s, None, 0.0).view(np.int32))
+
+
+def test_a_log_entry_at_a_fixed_formula_site_is_a_violation():
+    """e = 0: no honest trainer logs anything at a fixed-formula site. A replayer given such a
+    log declines the fused pass and the widened path reports the violation by site and op."""
+    s, t1, t2 = cancelling(11)
+    n = s.size
+    for path in ("fused", "torch"):
+        if path == "fused" and fused.MISSING is not None:
+            continue
+        for entry in ("direction", "value"):
+            if entry == "direction":
+                site = SiteLog(n, np.array([17], dtype=np.int64), np.array([True]))
+            else:
+                site = SiteLog(n, np.zeros(0, np.int64), np.zeros(0, bool),
+                               np.array([17], dtype=np.int64), np.array([0x3F800000], np.uint32))
+            replayer = SiteReplayer(POLICY, RoundingLog((site,)), step=4)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "ENABLED", path == "fused")
+                with pytest.raises(LogViolationError) as raised, \
+                        RoundingMode(POLICY, replayer):
+                    torch.addcdiv(T(s), T(t1), T(t2), value=0.5)
+            text = str(raised.value)
+            assert "step 4" in text and "site 0" in text and "aten.addcdiv" in text \
+                and "17" in text, text
+
+
+@needs_fused
+def test_an_empty_site_replays_through_the_fused_pass():
+    s, t1, t2 = cancelling(13)
+    rec = SiteRecorder(POLICY)
+    with RoundingMode(POLICY, rec):
+        recorded = torch.addcmul(T(s), T(t1), T(t2), value=2.0)
+    replayer = SiteReplayer(POLICY, rec.log())
+    with RoundingMode(POLICY, replayer):
+        replayed = torch.addcmul(T(s), T(t1), T(t2), value=2.0)
+    replayer.finish()
+    assert replayer.position == 1
+    assert torch.equal(recorded.view(torch.int32), replayed.view(torch.int32))
