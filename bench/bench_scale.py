@@ -77,10 +77,10 @@ class OldBandCounter:
 
     `general` counts only elements with a nonzero certified bound (the old policy's general
     ops; its IEEE ops had tau_ieee = 0), `any_op` every one. `seconds` is the time spent
-    counting, to be taken off the step's time. Sites the fused pointwise pass computes
-    (`claim_exact_site`, delegated to the recorder) are not seen: they have e = 0, but the old
-    policy would have banded the fixed formulas (addcmul, addcdiv, lerp), so both counts are
-    lower bounds of what it logged.
+    counting, to be taken off the step's time. Since bound rules version 2 both counts are lower
+    bounds of what the old policy logged: it banded addcmul, addcdiv and lerp, which are now
+    fixed formulas with e = 0 (never in `general`), and sites of the fused pointwise pass
+    (`claim_exact_site`, delegated to the recorder) are not seen at all (not in `any_op`).
     """
 
     def __init__(self, inner, policy: PrecisionPolicy, tau: float = OLD_TAU) -> None:

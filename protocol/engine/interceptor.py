@@ -13,6 +13,11 @@ optimizer code run unmodified. For each FLOAT op (see `optable`) with a bound ru
    the rounder as one site, and returns target-dtype tensors (writing in place where the op was
    in place).
 
+The fixed formulas (addcmul, addcdiv, lerp with a scalar weight) run as `pointwise` computes
+them, never as ATen's kernels, with e = 0. An op with e = 0 whose operands the fused pointwise
+pass reads (`pointwise.fused_plan`) skips steps 1–4: if the rounder claims the site
+(`claim_exact_site`), that pass computes its float32 results straight from its float32 inputs.
+
 A FLOAT op without a rule runs its decomposition (`decompositions`) under this same mode, so
 each primitive inside is its own site; one with neither is refused. EXACT ops run untouched on
 target-dtype tensors. RANDOM ops are served from the step's portable generator, or refused with
@@ -140,8 +145,12 @@ class RoundingMode(TorchDispatchMode):
     `round_site(op_name, [tensors], [bounds]) -> [tensors]` works (the divergence probe and the
     bound adversary use that). One with `bounds_needed() -> bool` is asked before each site
     whether it reads the bounds; where it does not (a replayed site with no log entries: most
-    of them) they are not computed. `randomness` serves the step's RANDOM ops; without it they
-    are refused.
+    of them) they are not computed. One with `claim_exact_site(op_name, numel) -> bool` may take
+    a site with e = 0 without seeing its values (the fused pointwise pass); a rounder that must
+    see every site's values (a probe) declines, and so must a wrapper that forwards unknown
+    attributes to another rounder, unless passing the site over is right for it too (the bound
+    adversary leaves e = 0 sites as they are). `randomness` serves the step's RANDOM ops;
+    without it they are refused.
     """
 
     def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute,
@@ -182,11 +191,11 @@ class RoundingMode(TorchDispatchMode):
 
     def _float_op(self, func, args, kwargs):
         elements = pointwise.operands(func, args, kwargs)
-        if elements is not None:
+        if elements:  # (an empty foreach list is no site on any path)
             done = self._fused_pointwise(func, args, elements)
             if done is not None:
                 return done[0]
-        fixed = elements is not None and pointwise.is_fixed(func)
+        fixed = pointwise.is_fixed(func)
         rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
@@ -212,7 +221,11 @@ class RoundingMode(TorchDispatchMode):
         out: Any
         if fixed:  # SPEC §3.2.1: ovt's formula, never ATen's kernel, computed out of place
             fixed_elements = pointwise.operands(func, wide_args, wide_kwargs)
-            assert fixed_elements is not None
+            if fixed_elements is None:
+                raise DeterminismError(
+                    f"{op_name(func)} is computed by its fixed formula (SPEC §3.2.1), which "
+                    f"takes real tensors and real scalars only; this call passes other "
+                    f"arguments")
             results = [pointwise.fixed_result(e) for e in fixed_elements]
             out = results if pointwise.family(func)[1] else results[0]
         elif functional is not None:  # out of place, so that the inputs stay as they were
@@ -239,7 +252,8 @@ class RoundingMode(TorchDispatchMode):
         policy = self.policy
         claim = getattr(self.rounder, "claim_exact_site", None)
         _, foreach, in_place = pointwise.family(func)
-        if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32):
+        if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32) \
+                or func._overloadname.endswith("out"):  # (an out= form writes its `out`)
             return None
         calls = pointwise.fused_plan(elements, in_place)
         if calls is None or not claim(op_name(func),

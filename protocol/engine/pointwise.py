@@ -17,8 +17,8 @@ Two kinds, both with `e = 0`, so their sites never log anything:
 
   Each step is one correctly rounded operation (value·t1, two target values, is even exact);
   a quotient of two tensors is one IEEE division on the CPU and on CUDA alike (ATen replaces
-  a division by a reciprocal and a product only for a CPU-scalar divisor, which `_fixed` never
-  passes). So every conforming machine computes the same bits. Under bound rules version 1
+  a division by a reciprocal and a product only for a CPU-scalar divisor, which `fixed_result`
+  never passes). So every conforming machine computes the same bits. Under bound rules version 1
   these ops had bounds γ_3·Σ|terms| or γ_4·Σ|terms| and logged elements in their bands.
 
 On the CPU, for the float64 -> float32 policy, both kinds run as `torch.ops.ovt.pointwise`
@@ -43,33 +43,37 @@ import torch
 from protocol.engine import fused
 
 # csrc/fused.cpp `Pointwise`
-MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB, ADDCMUL, ADDCDIV, LERP = range(8)
+MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP = range(9)
 
 FIXED = frozenset({"addcmul", "addcdiv", "lerp"})  # computed by formula, never by ATen
 
 # The overloads taken, per op family: (single tensor, foreach). A foreach op's `.Tensor` form
 # of addcmul/addcdiv holds its scalars in a tensor; `_foreach_mul.Tensor` multiplies by one
-# tensor, and lerp's `.Tensor`/`.List` take tensor weights: those stay ATen ops.
+# tensor, and lerp's `.Tensor`/`.List` take tensor weights: those stay ATen ops. The `out=`
+# forms of the fixed formulas are fixed formulas too, computed on the widened path only.
 _OVERLOADS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "mul": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
     "add": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
     "sub": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
-    "addcmul": (frozenset({"default"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
-    "addcdiv": (frozenset({"default"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
-    "lerp": (frozenset({"Scalar"}), frozenset({"Scalar", "ScalarList"})),
+    "addcmul": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
+    "addcdiv": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
+    "lerp": (frozenset({"Scalar", "Scalar_out"}), frozenset({"Scalar", "ScalarList"})),
 }
 
 
 @dataclass(frozen=True)
 class Elementwise:
     """One result tensor of such an op: `code` (csrc `Pointwise`) applied to tensors `a`, `b`,
-    `c` (None where the code has no such operand) and the Python number `v`."""
+    `c` (None where the code has no such operand) and the number `v`: a Python scalar argument,
+    rounded to the target dtype before use where it is a float (SPEC §3.3), or where `exact`
+    a value read from a tensor argument, used as it is."""
 
     code: int
     a: torch.Tensor
     b: torch.Tensor | None
     c: torch.Tensor | None
     v: float | int
+    exact: bool = False
 
 
 def family(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
@@ -101,20 +105,27 @@ def operands(func: torch._ops.OpOverload, args: tuple, kwargs: dict
     if not foreach:
         one = _element(name, args, kwargs)
         return None if one is None else [one]
-    selves = args[0]
+    scalars = None
+    if name in ("addcmul", "addcdiv") and func._overloadname == "Tensor":
+        scalars = args[3]  # the scalars, as a tensor: of the target or the compute dtype only
+        if not isinstance(scalars, torch.Tensor) or \
+                scalars.dtype not in (torch.float32, torch.float64):
+            return None
     per_element = []
-    for i in range(len(selves)):
+    for i in range(len(args[0])):
         pick = tuple(a[i] if isinstance(a, (list, tuple)) else a for a in args)
-        if name in ("addcmul", "addcdiv") and func._overloadname == "Tensor":
-            pick = (*pick[:3], args[3][i].item())  # the scalars, as a tensor
+        if scalars is not None:
+            pick = (*pick[:3], scalars[i].item())
         one = _element(name, pick, kwargs)
         if one is None:
             return None
-        per_element.append(one)
+        per_element.append(one if scalars is None else
+                           Elementwise(one.code, one.a, one.b, one.c, one.v, exact=True))
     return per_element
 
 
 def _number(value) -> TypeGuard[float | int]:
+    """A real Python number, not a bool (which ATen refuses in places: `x - True`)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -131,9 +142,8 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
             return Elementwise({"mul": MUL, "add": ADD, "sub": SUB}[name], a, other, None, 0.0)
         if not _number(other):
             return None
-        if name == "mul":
-            return Elementwise(MUL_SCALAR, a, None, None, other)
-        return Elementwise(ADD_SCALAR, a, None, None, other if name == "add" else -other)
+        code = {"mul": MUL_SCALAR, "add": ADD_SCALAR, "sub": SUB_SCALAR}[name]
+        return Elementwise(code, a, None, None, other)
     if name in ("addcmul", "addcdiv"):
         t1, t2 = args[1], args[2]
         value = args[3] if len(args) > 3 else kwargs.get("value", 1)
@@ -153,15 +163,16 @@ def fixed_result(e: Elementwise) -> torch.Tensor:
     one IEEE operation; the formulas of the module docstring)."""
     assert e.b is not None
     v = float(e.v)
+    device = e.a.device  # a CPU-scalar operand moves there: never a reciprocal shortcut
+    b = e.b if e.b.device == device else e.b.to(device)
     if e.code == ADDCMUL:
         assert e.c is not None
-        return e.a + (e.b * v) * e.c
+        return e.a + (b * v) * (e.c if e.c.device == device else e.c.to(device))
     if e.code == ADDCDIV:
         assert e.c is not None
-        divisor = e.c if e.c.device == e.b.device else e.c.to(e.b.device)  # never a CPU scalar
-        return e.a + (e.b / divisor) * v
+        return e.a + (b / (e.c if e.c.device == device else e.c.to(device))) * v
     if e.code == LERP:
-        return e.a + (e.b - e.a) * v
+        return e.a + (b - e.a) * v
     raise ValueError(f"code {e.code} is not a fixed formula")
 
 
@@ -194,8 +205,8 @@ def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] |
                    and t.numel() for t in tensors):
             return None
         if in_place and any(t is not e.a and _storage(t) in written and not (
-                _storage(t) == _storage(e.a) and t.data_ptr() == e.a.data_ptr())
-                for t in tensors):
+                _storage(t) == _storage(e.a) and t.data_ptr() == e.a.data_ptr()
+                and t.shape == e.a.shape) for t in tensors):  # (both contiguous: one view)
             return None
         call = _call(e, in_place)
         if call is None:
@@ -243,7 +254,7 @@ def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torc
     for call in calls:
         e = call.element
         out = e.a if in_place else torch.empty_like(e.a)
-        v = round_scalar(e.v) if isinstance(e.v, float) else float(e.v)
+        v = round_scalar(e.v) if isinstance(e.v, float) and not e.exact else float(e.v)
         torch.ops.ovt.pointwise(e.code, e.a, e.b, e.c, v, out, call.b_inner, call.b_count)
         results.append(out)
     return results

@@ -218,10 +218,11 @@ enum Pointwise : int64_t {
   kMul = 1,        // a * b
   kAddScalar = 2,  // a + v
   kAdd = 3,        // a + b
-  kSub = 4,        // a - b
-  kAddcmul = 5,    // a + (v * b) * c
-  kAddcdiv = 6,    // a + v * (b / c)
-  kLerp = 7,       // a + v * (b - a)
+  kSubScalar = 4,  // a - v
+  kSub = 5,        // a - b
+  kAddcmul = 6,    // a + (v * b) * c
+  kAddcdiv = 7,    // a + v * (b / c)
+  kLerp = 8,       // a + v * (b - a)
 };
 
 // out[i] = float32(op(a[i], b[i], c[i], v)) for i in [begin, end); compiled for AVX2 too.
@@ -241,6 +242,9 @@ void pointwise_range(int64_t op, const float* a, const float* b, const float* c,
       break;
     case kAdd:
       for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} + double{b[i]});
+      break;
+    case kSubScalar:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} - v);
       break;
     case kSub:
       for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} - double{b[i]});
@@ -278,8 +282,7 @@ const float* operand(const c10::optional<at::Tensor>& t, int64_t numel, const ch
 
 // b broadcast over out: b[(i / b_inner) % b_count] for element i (pointwise.py `_broadcast`).
 // Where b_inner > 1 a run of b_inner elements shares one b value, which enters as the scalar of
-// the code's scalar form (a - b as a + (-b): the same IEEE operation); where b_inner is 1 each
-// row of b_count elements reads all of b.
+// the code's scalar form; where b_inner is 1 each row of b_count elements reads all of b.
 void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out, int64_t n,
                          int64_t b_inner, int64_t b_count) {
   if (b_inner == 1) {
@@ -292,11 +295,10 @@ void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out,
     return;
   }
   const int64_t runs = n / b_inner;
-  const int64_t scalar_op = op == kMul ? kMulScalar : kAddScalar;
+  const int64_t scalar_op = op == kMul ? kMulScalar : op == kAdd ? kAddScalar : kSubScalar;
   at::parallel_for(0, runs, std::max<int64_t>(1, kGrain / b_inner), [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      const double bv = b[s % b_count];
-      pointwise_range(scalar_op, a + s * b_inner, nullptr, nullptr, op == kSub ? -bv : bv,
+      pointwise_range(scalar_op, a + s * b_inner, nullptr, nullptr, double{b[s % b_count]},
                       out + s * b_inner, 0, b_inner);
     }
   });
@@ -320,7 +322,7 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
     pointwise_broadcast(op, ap, operand(b, b_count, "b", true), outp, n, b_inner, b_count);
     return;
   }
-  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar);
+  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar && op != kSubScalar);
   const float* cp = operand(c, n, "c", op == kAddcmul || op == kAddcdiv);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     pointwise_range(op, ap, bp, cp, v, outp, begin, end);

@@ -64,7 +64,8 @@ def reference(code: int, a, b, c, v) -> np.ndarray:
     with np.errstate(all="ignore"):
         y = {pointwise.MUL_SCALAR: lambda: a * v, pointwise.MUL: lambda: a * b,
              pointwise.ADD_SCALAR: lambda: a + v, pointwise.ADD: lambda: a + b,
-             pointwise.SUB: lambda: a - b, pointwise.ADDCMUL: lambda: a + (v * b) * c,
+             pointwise.SUB_SCALAR: lambda: a - v, pointwise.SUB: lambda: a - b,
+             pointwise.ADDCMUL: lambda: a + (v * b) * c,
              pointwise.ADDCDIV: lambda: a + v * (b / c),
              pointwise.LERP: lambda: a + v * (b - a)}[code]()
         return y.astype(np.float32)
@@ -100,7 +101,9 @@ def cases(seed: int):
         ("add", lambda x, y, z: x + y, pointwise.ADD, 0.0),
         ("add scalar", lambda x, y, z: x + 1e-8, pointwise.ADD_SCALAR, q(1e-8)),
         ("sub", lambda x, y, z: x - y, pointwise.SUB, 0.0),
-        ("sub scalar", lambda x, y, z: torch.sub(x, 2.5), pointwise.ADD_SCALAR, -2.5),
+        ("sub scalar", lambda x, y, z: torch.sub(x, 2.5), pointwise.SUB_SCALAR, 2.5),
+        ("sub zero", lambda x, y, z: x - 0, pointwise.SUB_SCALAR, 0.0),
+        ("add big int", lambda x, y, z: x + (2**40 + 1), pointwise.ADD_SCALAR, 2.0**40 + 1),
         ("add_", lambda x, y, z: x.add_(y), pointwise.ADD, 0.0),
     ]
 
@@ -142,7 +145,8 @@ def test_every_op_gives_its_formula_bit_for_bit(path, threads, seed, monkeypatch
                 with RoundingMode(POLICY, rec):
                     out = call(x, y, z)
                 operand_c = t2 if code in (pointwise.ADDCMUL, pointwise.ADDCDIV) else None
-                operand_b = None if code in (pointwise.MUL_SCALAR, pointwise.ADD_SCALAR) else t1
+                operand_b = None if code in (pointwise.MUL_SCALAR, pointwise.ADD_SCALAR,
+                                             pointwise.SUB_SCALAR) else t1
                 want = reference(code, s, operand_b, operand_c, v)
                 assert_bits(out, want, f"{name} ({path})")
                 if name.endswith("_") or name.endswith("small"):
@@ -319,9 +323,98 @@ def test_an_empty_site_replays_through_the_fused_pass():
     rec = SiteRecorder(POLICY)
     with RoundingMode(POLICY, rec):
         recorded = torch.addcmul(T(s), T(t1), T(t2), value=2.0)
-    replayer = SiteReplayer(POLICY, rec.log())
+    replayer = ClaimCounting(POLICY, rec.log())
     with RoundingMode(POLICY, replayer):
         replayed = torch.addcmul(T(s), T(t1), T(t2), value=2.0)
     replayer.finish()
-    assert replayer.position == 1
-    assert torch.equal(recorded.view(torch.int32), replayed.view(torch.int32))
+    assert replayer.position == 1 and replayer.claims == [True]
+    assert _same(recorded, replayed)
+
+
+class ClaimCounting(SiteReplayer):
+    """A replayer that notes what it answered each claim."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.claims: list[bool] = []
+
+    def claim_exact_site(self, op, numel):
+        self.claims.append(super().claim_exact_site(op, numel))
+        return self.claims[-1]
+
+
+def test_a_replayer_declines_a_site_of_another_size_and_reports_it():
+    """A claim for a site whose size differs from the log's claims nothing (its position stays)
+    and the widened path reports the mismatch, naming the site."""
+    from protocol.errors import LogMismatchError
+    s, t1, _ = cancelling(15)
+    log = RoundingLog((SiteLog(s.size + 1, np.zeros(0, np.int64), np.zeros(0, bool)),))
+    replayer = ClaimCounting(POLICY, log, step=2)
+    with pytest.raises(LogMismatchError, match="site 0"), RoundingMode(POLICY, replayer):
+        T(s) * T(t1)
+    assert replayer.claims in ([False], [])  # ([] where the fused passes are not built)
+    assert replayer.position == 0
+
+
+@needs_fused
+def test_an_in_place_op_over_a_part_of_its_own_memory_is_not_fused():
+    """x.mul_(x[0]) broadcasts a row of x over x: the fused pass would read row 0 after writing
+    it, so it declines, and the widened path reads a copy."""
+    s, _, _ = cancelling(17)
+    for call in (lambda x: x.mul_(x[0]), lambda x: x.sub_(x[:1]), lambda x: x.add_(x[:, :1])):
+        got, want, claimed = _both_paths(lambda call=call: call(T(s[:4096].copy()).reshape(64, 64)))
+        assert not claimed and _same(got, want)
+    x = s[:4096].reshape(64, 64).astype(np.float64)
+    with np.errstate(all="ignore"):  # the last: every row read as it was before the write
+        assert _same(got, T((x + x[:, :1]).astype(np.float32)))
+
+
+@pytest.mark.parametrize("call", [lambda: torch._foreach_mul_([], 2.0),
+                                  lambda: torch._foreach_addcmul_([], [], [], 0.5)])
+def test_an_empty_foreach_list_is_refused_as_by_aten_and_no_site(call):
+    for path in ("fused", "torch"):
+        rec = Exact()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "ENABLED", path == "fused")
+            with pytest.raises(RuntimeError, match="at least one tensor"), \
+                    RoundingMode(POLICY, rec):
+                call()
+        assert rec.sites == [] and rec.claimed == []
+
+
+def test_float64_scalars_of_a_foreach_op_are_used_unrounded():
+    """`_foreach_addcmul.Tensor` with float64 scalars: both paths use each value as it is (it is
+    of the compute dtype), none rounds it to float32; a float16 scalars tensor is refused."""
+    from protocol.errors import DeterminismError
+    s, t1, t2 = cancelling(19)
+    value = 0.1  # not a float32 value
+    outs = {}
+    for path in ("fused", "torch"):
+        if path == "fused" and fused.MISSING is not None:
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "ENABLED", path == "fused")
+            with RoundingMode(POLICY, Exact()):
+                outs[path] = torch._foreach_addcmul([T(s)], [T(t1)], [T(t2)],
+                                                    torch.tensor([value], dtype=torch.float64))[0]
+        assert_bits(outs[path], reference(pointwise.ADDCMUL, s, t1, t2, value), path)
+    with pytest.raises(DeterminismError, match="float16"), RoundingMode(POLICY, Exact()):
+        torch._foreach_addcmul([T(s)], [T(t1)], [T(t2)], torch.tensor([0.5], dtype=torch.float16))
+
+
+def test_out_forms_of_the_fixed_formulas_write_their_out():
+    s, t1, t2 = cancelling(21)
+    for path in ("fused", "torch"):
+        if path == "fused" and fused.MISSING is not None:
+            continue
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "ENABLED", path == "fused")
+            rec = Exact()
+            out_cm, out_lerp = torch.empty(s.size), torch.empty(s.size)
+            with RoundingMode(POLICY, rec):
+                r1 = torch.addcmul(T(s), T(t1), T(t2), value=0.5, out=out_cm)
+                r2 = torch.lerp(T(s), T(t1), 0.75, out=out_lerp)
+        assert r1 is out_cm and r2 is out_lerp
+        assert_bits(out_cm, reference(pointwise.ADDCMUL, s, t1, t2, 0.5), path)
+        assert_bits(out_lerp, reference(pointwise.LERP, s, t1, None, 0.75), path)
+        assert [site.numel for site in rec.sites] == [s.size, s.size] and not rec.claimed
