@@ -120,13 +120,11 @@ def _functional_of(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     (`addcmul_` -> `addcmul`, `_foreach_lerp_.Scalar` -> `_foreach_lerp.Scalar`), or None.
     A rule that reads an in-place op's inputs then reads them unchanged, with no copy taken
     before the op runs; the result is the value written, rounded and copied back as before."""
-    name = func.overloadpacket.__name__
     positions, names = mutated_args(func)
     arguments = func._schema.arguments
-    if not name.endswith("_") or name.endswith("__") or positions != {0} or \
-            names != {arguments[0].name}:
+    if not pointwise.family(func)[2] or positions != {0} or names != {arguments[0].name}:
         return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
+    packet = getattr(torch.ops.aten, func.overloadpacket.__name__[:-1], None)
     functional = getattr(packet, func._overloadname, None) if packet is not None else None
     if not isinstance(functional, torch._ops.OpOverload) or \
             [a.name for a in functional._schema.arguments] != [a.name for a in arguments]:

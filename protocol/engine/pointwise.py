@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TypeGuard
 
 import torch
@@ -76,6 +77,7 @@ class Elementwise:
     exact: bool = False
 
 
+@lru_cache(maxsize=4096)
 def family(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
     """(op family, foreach, in place) of an op: `_foreach_addcmul_` -> ("addcmul", True, True)."""
     name = func.overloadpacket.__name__
@@ -86,6 +88,7 @@ def family(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
     return (name[:-1] if in_place else name), foreach, in_place
 
 
+@lru_cache(maxsize=4096)
 def is_fixed(func: torch._ops.OpOverload) -> bool:
     """Whether ovt computes `func` by its fixed formula (module docstring)."""
     name, foreach, _ = family(func)
