@@ -1,4 +1,5 @@
-"""A site's band pass: its target-dtype values and its band candidates (SPEC §3.2; issue 13).
+"""A site's band pass: its target-dtype values and its band candidates (SPEC §3.2; issue 13),
+and the replayer's counterpart, its logged entries checked and applied.
 
 The recorder needs, for every site, `r = y.to(target)` and the elements that may lie within
 `2e` of a rounding boundary (`precision.band_candidates`, a superset it then checks exactly).
@@ -7,9 +8,11 @@ tricks of the prefilter, the `nonzero`. `round_band` does it in one read of `y` 
 C++ operator `torch.ops.ovt.round_band` (`csrc/fused.cpp`, `fused`), which also
 evaluates each element's bound (`bounds.Affine`: the relative rules need only `|y|`, the
 matmul family row and column norms) on the way. Both ways give the same bits
-(tests/protocol/engine/test_bandpass.py).
+(tests/protocol/engine/test_bandpass.py). In replay, `apply_entries` checks and applies the
+log's entries of a result in one C++ call (`torch.ops.ovt.apply_entries`) instead of the
+replayer's few dozen small torch ops per result.
 
-The fused pass serves the float64 -> float32 policy on the CPU. Everything else — CUDA, where
+The fused passes serve the float64 -> float32 policy on the CPU. Everything else — CUDA, where
 the torch ops run as fast kernels anyway; the float32 -> bfloat16 policy; an install without
 the extension (`fused`) — runs the torch ops.
 """
@@ -105,6 +108,27 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
     if not cand.numel():
         return flat.to(policy.target), None, None
     return flat.to(policy.target), cand, e[cand].to(torch.float64)
+
+
+def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,
+                  offset: int, entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor],
+                  policy: PrecisionPolicy, wide: float) -> bool:
+    """Check and apply, in one pass, the logged entries of a site that fall in its result `y`
+    (`flat` its values, at site positions from `offset`; `r` = RNE(flat), written in place):
+    `entries` = (direction indices, their directions, value indices, value bits), int64, bool,
+    int64, int64 CPU tensors over the whole site; `wide` is `rounding.WIDE`. The same checks
+    and writes as `SiteReplayer._apply_directions` and `_apply_values` (csrc/fused.cpp
+    `apply_entries`). True where it applied them all; False, with `r` untouched, where the pass
+    does not serve here (CUDA, the bfloat16 policy, no extension, a result with e = 0) or an
+    entry is invalid: the caller's torch ops then apply them, or report the violation."""
+    if bound is None or flat.dtype != torch.float64 or not fused.serves(flat) \
+            or (policy.compute, policy.target) != _FUSED_PAIR:
+        return False
+    spec = _flat_bound(y, bound)
+    return torch.ops.ovt.apply_entries(flat.contiguous(), r, offset, *entries, spec.mode,
+                                       spec.m, spec.col, spec.add, spec.inner, spec.rows,
+                                       spec.scale, spec.floor, policy.overflow, float(wide))
 
 
 def bounds_at(flat: torch.Tensor, y: torch.Tensor, bound: Bound, idx: torch.Tensor

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
-from protocol.engine.bandpass import bounds_at, round_band
+from protocol.engine.bandpass import apply_entries, bounds_at, round_band
 from protocol.engine.bounds import SAFETY, Bound, dense_bound
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -212,11 +212,16 @@ class SiteReplayer:
         if not (site.indices.size or site.value_indices.size):
             return [y.to(self.policy.target) for y in ys]  # (to() keeps a dense layout)
         out, offset = [], 0
+        entries = (torch.from_numpy(site.indices.astype(np.int64)),
+                   torch.from_numpy(site.up.astype(bool)),
+                   torch.from_numpy(site.value_indices.astype(np.int64)),
+                   torch.from_numpy(site.values.astype(np.int64)))
         for y, b in zip(ys, bounds, strict=True):
             flat = y.reshape(-1)
             r = flat.to(self.policy.target)
-            self._apply_directions(op, flat, r, site, y, b, offset)
-            self._apply_values(op, flat, r, site, y, b, offset)
+            if not apply_entries(flat, y, b, r, offset, entries, self.policy, WIDE):
+                self._apply_directions(op, flat, r, site, y, b, offset)
+                self._apply_values(op, flat, r, site, y, b, offset)
             out.append(_shaped(r, y))
             offset += y.numel()
         return out

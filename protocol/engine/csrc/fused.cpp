@@ -5,6 +5,9 @@
 //   float32 roundings and the flat indices that may lie in the band, with each element's bound
 //   e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
+// - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
+//   each entry's validity checked and, where all are valid, the logged roundings applied, as
+//   `_apply_directions` and `_apply_values` do it with torch ops;
 // - sum_terms, what the exact-sum rule (bounds.py `_smallest_terms`) needs of a sum's terms;
 // - pointwise, an elementwise op whose float64 result is fixed by IEEE-754 (a correctly rounded
 //   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
@@ -21,6 +24,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -77,6 +81,18 @@ struct Spec {
 };
 
 __attribute__((always_inline)) inline double as_double(int64_t bits) { return __builtin_bit_cast(double, bits); }
+
+// Element i's base (bounds.py `Affine`; bandpass.py `_FlatBound.at`, the same operations in the
+// same order), for sparse use: the band pass finds it row by row instead (`scan`).
+inline double base_at(const Spec& s, const double* y, int64_t i) {
+  if (s.mode == kRelative) return std::fabs(y[i]);
+  const int64_t row = i / s.inner;
+  if (s.mode == kRows) return s.m[row];
+  const int64_t j = i % s.inner;
+  double base = s.m[row] * s.col[(row / s.rows) * s.inner + j];
+  if (s.add != nullptr) base = base + s.add[s.add_per_column ? j : i];
+  return base;
+}
 
 // Whether y may lie within 2e of a rounding boundary: precision.py `band_candidates`, the same
 // operations in the same order. Branch-free, so that the loops calling it vectorise; its
@@ -329,13 +345,37 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
   });
 }
 
-const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* name) {
-  TORCH_CHECK(t.has_value(), "round_band: this mode needs ", name);
+const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* op,
+                     const char* name) {
+  TORCH_CHECK(t.has_value(), op, ": this mode needs ", name);
   TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->device().is_cpu(),
-              "round_band: ", name, " must be a contiguous float64 CPU tensor");
-  TORCH_CHECK(t->numel() == numel, "round_band: ", name, " has ", t->numel(),
+              op, ": ", name, " must be a contiguous float64 CPU tensor");
+  TORCH_CHECK(t->numel() == numel, op, ": ", name, " has ", t->numel(),
               " elements, expected ", numel);
   return t->data_ptr<double>();
+}
+
+// The bound of a result of n elements in the form bandpass.py `_FlatBound` gives it.
+Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
+               const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add,
+               int64_t inner, int64_t rows, double scale, double floor, const char* op) {
+  Spec s{mode,  nullptr, nullptr, nullptr, false, std::max<int64_t>(inner, 1),
+         std::max<int64_t>(rows, 1), scale, floor};
+  if (mode == kRows || mode == kOuter) {
+    TORCH_CHECK(n % s.inner == 0, op, ": ", n, " elements are not runs of ", s.inner);
+    s.m = factor(m, n / s.inner, op, "m");
+    if (mode == kOuter) {
+      TORCH_CHECK((n / s.inner) % s.rows == 0, op, ": rows do not divide the batch");
+      s.col = factor(col, n / (s.rows * s.inner) * s.inner, op, "col");
+      if (add.has_value()) {
+        s.add_per_column = add->numel() == s.inner;  // (the same indexing when n == inner)
+        s.add = factor(add, s.add_per_column ? s.inner : n, op, "add");
+      }
+    }
+  } else {
+    TORCH_CHECK(mode == kRelative, op, ": unknown mode ", mode);
+  }
+  return s;
 }
 
 std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
@@ -347,22 +387,7 @@ std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
                   y.device().is_cpu(),
               "round_band: y must be a 1-D contiguous float64 CPU tensor");
   const int64_t n = y.numel();
-  Spec s{mode,  nullptr, nullptr, nullptr, false, std::max<int64_t>(inner, 1),
-         std::max<int64_t>(rows, 1), scale, floor};
-  if (mode == kRows || mode == kOuter) {
-    TORCH_CHECK(n % s.inner == 0, "round_band: ", n, " elements are not runs of ", s.inner);
-    s.m = factor(m, n / s.inner, "m");
-    if (mode == kOuter) {
-      TORCH_CHECK((n / s.inner) % s.rows == 0, "round_band: rows do not divide the batch");
-      s.col = factor(col, n / (s.rows * s.inner) * s.inner, "col");
-      if (add.has_value()) {
-        s.add_per_column = add->numel() == s.inner;  // (the same indexing when n == inner)
-        s.add = factor(add, s.add_per_column ? s.inner : n, "add");
-      }
-    }
-  } else {
-    TORCH_CHECK(mode == kRelative, "round_band: unknown mode ", mode);
-  }
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, "round_band");
   at::Tensor r = at::empty({n}, y.options().dtype(at::kFloat));
   const double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
@@ -379,6 +404,117 @@ std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
   int64_t* out = candidates.data_ptr<int64_t>();
   for (const auto& f : found) out = std::copy(f.begin(), f.end(), out);
   return {r, candidates};
+}
+
+// float32's ULP just above |r| (precision.py `target_ulp`): 2**E of r's binade, the subnormal
+// ULP for zero and subnormals, as float64.
+inline double target_ulp(float r) {
+  const int64_t field = (__builtin_bit_cast(int32_t, r) & 0x7FFFFFFF) >> 23;
+  return as_double((std::max<int64_t>(field, 1) - (127 + 23) + 1023) << 52);
+}
+
+// δ, the exact distance of y from its nearest rounding boundary, r = RNE(y) (precision.py
+// `boundary_distance` and `_boundaries`, the same operations): half r's ULP above |r|, half the
+// gap below it beneath (a quarter ULP at a power of two), the overflow threshold below an
+// infinite r.
+inline double boundary_distance(double y, float r, double overflow) {
+  const double a = std::fabs(y), b = std::fabs(static_cast<double>(r));
+  const double ulp = target_ulp(r), half = ulp * 0.5;
+  const int32_t magnitude = __builtin_bit_cast(int32_t, r) & 0x7FFFFFFF;
+  const bool power_of_two = (magnitude & 0x7FFFFF) == 0 && (magnitude >> 23) > 1;
+  const double above = b + half;
+  const double below = std::isinf(r) ? overflow : b - (power_of_two ? ulp * 0.25 : half);
+  const double gap_above = std::fabs(above - a), gap_below = std::fabs(a - below);
+  // torch.minimum; NaN only for a non-finite y, which no entry may have (checked by callers)
+  return gap_above < gap_below ? gap_above : gap_below;
+}
+
+// Element i's bound e as the replayer reads it (bandpass.py `_FlatBound.at`: NaN as +inf).
+inline double bound_at(const Spec& s, const double* y, int64_t i) {
+  const double e = base_at(s, y, i) * s.scale + s.floor;
+  if (std::isnan(e)) return INFINITY;
+  return e == -INFINITY ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
+}
+
+const int64_t* entry_indices(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(),
+              "apply_entries: ", name, " must be a 1-D contiguous int64 CPU tensor");
+  return t.data_ptr<int64_t>();
+}
+
+// The replayer's logged entries of one result `y` of a site, the result at site positions
+// [offset, offset + n) (rounding.py `SiteReplayer._apply_directions` and `_apply_values`, the
+// same checks with the same operations): each entry in that range is checked — a direction
+// entry needs e > 0, δ <= 4e and a finite y; a value entry e > 0, bits that fit float32, y
+// within 4e of a boundary, 2·wide·e >= ULP(v), v not NaN and near y (within ULP(v)/2 + 4e; for
+// an infinite v, y of its sign within 4e of the overflow threshold). Only if every one passes
+// are they applied to r (float32, RNE(y)): directions by stepping one ULP where RNE went the
+// other way, values by writing them. Returns whether they were applied; on false nothing is
+// written and the caller's torch ops report the first violation.
+bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
+                   const at::Tensor& indices, const at::Tensor& up,
+                   const at::Tensor& value_indices, const at::Tensor& values, int64_t mode,
+                   const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& col,
+                   const c10::optional<at::Tensor>& add, int64_t inner, int64_t rows,
+                   double scale, double floor, double overflow, double wide) {
+  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
+                  y.device().is_cpu(),
+              "apply_entries: y must be a 1-D contiguous float64 CPU tensor");
+  const int64_t n = y.numel();
+  TORCH_CHECK(r.dtype() == at::kFloat && r.is_contiguous() && r.device().is_cpu() &&
+                  r.numel() == n,
+              "apply_entries: r must be a contiguous float32 CPU tensor of ", n, " elements");
+  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.numel() == indices.numel(),
+              "apply_entries: up must be a contiguous bool tensor, one per index");
+  TORCH_CHECK(values.numel() == value_indices.numel(),
+              "apply_entries: values must be one per value index");
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, "apply_entries");
+  const double* yp = y.data_ptr<double>();
+  float* rp = r.data_ptr<float>();
+  const int64_t* dir = entry_indices(indices, "indices");
+  const bool* dir_up = up.data_ptr<bool>();
+  const int64_t* val = entry_indices(value_indices, "value_indices");
+  const int64_t* bits = entry_indices(values, "values");
+  const int64_t dirs = indices.numel(), vals = value_indices.numel();
+  const auto mine = [offset, n](int64_t index) { return index >= offset && index < offset + n; };
+  for (int64_t k = 0; k < dirs; ++k) {
+    if (!mine(dir[k])) continue;
+    const int64_t i = dir[k] - offset;
+    const double yv = yp[i], ev = bound_at(s, yp, i);
+    if (!(ev > 0 && boundary_distance(yv, rp[i], overflow) <= 4 * ev && std::isfinite(yv))) {
+      return false;
+    }
+  }
+  for (int64_t k = 0; k < vals; ++k) {
+    if (!mine(val[k])) continue;
+    if (bits[k] < 0 || bits[k] > 0xFFFFFFFFLL) return false;
+    const int64_t i = val[k] - offset;
+    const float v = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
+    const double yv = yp[i], ev = bound_at(s, yp, i);
+    const double ulp = target_ulp(v);
+    const bool in_band =
+        boundary_distance(yv, static_cast<float>(yv), overflow) <= 4 * ev;
+    const bool near =
+        std::isinf(v) ? std::fabs(yv) + 4 * ev >= overflow && std::signbit(v) == std::signbit(yv)
+                      : std::fabs(static_cast<double>(v) - yv) <= ulp / 2 + 4 * ev;
+    if (!(ev > 0 && in_band && 2 * wide * ev >= ulp && near && !std::isnan(v) &&
+          std::isfinite(yv))) {
+      return false;
+    }
+  }
+  for (int64_t k = 0; k < dirs; ++k) {
+    if (!mine(dir[k])) continue;
+    const int64_t i = dir[k] - offset;
+    const float rv = rp[i];
+    // rounding.py `step_toward`: one ULP away from zero is +1 on the bit pattern, toward it -1
+    if ((std::fabs(static_cast<double>(rv)) > std::fabs(yp[i])) != dir_up[k]) {
+      rp[i] = __builtin_bit_cast(float, __builtin_bit_cast(int32_t, rv) + (dir_up[k] ? 1 : -1));
+    }
+  }
+  for (int64_t k = 0; k < vals; ++k) {
+    if (mine(val[k])) rp[val[k] - offset] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
+  }
+  return true;
 }
 
 // The exact-sum rule's view of a sum's terms (bounds.py `_sum`): for x viewed as
@@ -431,6 +567,10 @@ TORCH_LIBRARY(ovt, lib) {
       "float scale, float floor) -> (Tensor, Tensor)");
   lib.def("sum_terms(Tensor x, int outer, int reduced, int inner) -> (Tensor, bool)");
   lib.def(
+      "apply_entries(Tensor y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
+      "Tensor value_indices, Tensor values, int mode, Tensor? m, Tensor? col, Tensor? add, "
+      "int inner, int rows, float scale, float floor, float overflow, float wide) -> bool");
+  lib.def(
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");
 }
@@ -439,6 +579,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("pointwise", &pointwise);
   lib.impl("sum_terms", &sum_terms);
+  lib.impl("apply_entries", &apply_entries);
 }
 
 // An importable Python module with nothing in it: importing it loads this library, which

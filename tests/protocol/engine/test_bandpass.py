@@ -18,7 +18,7 @@ import torch
 
 from protocol.codec.roundinglog import encode_log
 from protocol.codec.state import state_digest
-from protocol.engine import fused
+from protocol.engine import bandpass, fused
 from protocol.engine.bandpass import bounds_at, dense_bounds, round_band
 from protocol.engine.bounds import Affine, Bound
 from protocol.engine.executor import Executor
@@ -195,14 +195,24 @@ def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
 @needs_fused
 @pytest.mark.parametrize("program", ["char-transformer", "image-cnn"])
 def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
+    """Record on both passes: the same logs and states; replay those logs on both passes (the
+    fused replay applies the entries in C++): the recorded state each time."""
     logs, states = {}, {}
     for name in ("fused", "torch"):
         monkeypatch.setattr(fused, "ENABLED", name == "fused")
         ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
                       profile=Profile.parse("threads=2"))
         ex.init_state(1)
-        logs[name] = [encode_log(ex.step().log) for _ in range(2)]
+        start = ex.state()
+        records = [ex.step().log for _ in range(2)]
+        logs[name] = [encode_log(log) for log in records]
         states[name] = state_digest(ex.state())
+        auditor = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
+                           profile=Profile.parse("threads=1"))
+        auditor.load_state(start)
+        for log in records:
+            auditor.step(log)
+        assert state_digest(auditor.state()) == states[name], name
     assert logs["fused"] == logs["torch"] and states["fused"] == states["torch"]
     assert any(len(log) > 16 for log in logs["fused"])  # something was logged
 
@@ -254,3 +264,129 @@ def test_the_fused_sum_terms_are_the_torch_ones(seed, monkeypatch):
     assert _smallest_terms(ctx, cases[3], [0], False) is None  # not a float32 value
     assert _smallest_terms(ctx, cases[4], [0], False) is None  # NaN
     assert torch.isinf(_smallest_terms(ctx, x, [1], False)[1, 3])  # the column of zeros
+
+
+def replay_site(ys, bounds, site, monkeypatch, on: bool, applied: list[bool]):
+    """One site replayed with the fused passes on or off: ("ok", the rounded bits of each
+    result) or ("violation", the error's text). `applied` collects what the fused
+    `apply_entries` returned for each result it was asked about."""
+    from protocol.codec.roundinglog import RoundingLog
+    from protocol.engine import rounding
+    from protocol.errors import LogViolationError
+    monkeypatch.setattr(fused, "ENABLED", on)
+    real = bandpass.apply_entries
+
+    def spy(*args):
+        done = real(*args)
+        applied.append(done)
+        return done
+    monkeypatch.setattr(rounding, "apply_entries", spy)
+    replayer = rounding.SiteReplayer(POLICY, RoundingLog((site,), ()), step=7)
+    try:
+        out = replayer.round_site("aten.op", ys, bounds)
+    except LogViolationError as err:
+        return ("violation", str(err))
+    finally:
+        monkeypatch.setattr(rounding, "apply_entries", real)
+    return ("ok", [r.view(torch.int32).clone() for r in out])
+
+
+def same_replay(ys, bounds, site, monkeypatch) -> tuple[str, list[bool]]:
+    """Replay one site both ways, assert the same outcome, and return it with what the fused
+    pass reported (True: it applied the entries itself)."""
+    applied: list[bool] = []
+    fused_out = replay_site(ys, bounds, site, monkeypatch, True, applied)
+    torch_out = replay_site(ys, bounds, site, monkeypatch, False, [])
+    assert fused_out[0] == torch_out[0], (fused_out, torch_out)
+    if fused_out[0] == "violation":
+        assert fused_out[1] == torch_out[1]
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(fused_out[1], torch_out[1], strict=True))
+    return fused_out[0], applied
+
+
+def value_choices(r: torch.Tensor) -> list[int]:
+    """Bit patterns a value entry at an element rounded to `r` may carry: r, its neighbours, two
+    ULPs off, the infinities, a NaN, and a pattern too wide for float32."""
+    bits = int(r.view(torch.int32)) & 0xFFFFFFFF
+    return [bits, (bits + 1) & 0xFFFFFFFF, (bits - 1) & 0xFFFFFFFF, (bits + 2) & 0xFFFFFFFF,
+            0x7F800000, 0xFF800000, 0x7FC00000, 1 << 33]
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, 1])
+def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monkeypatch):
+    """`bandpass.apply_entries` (csrc/fused.cpp) against the replayer's torch ops, entry by
+    entry on every hard site: a direction entry either way, and value entries of every kind
+    (`value_choices`), at elements near and far from boundaries, with every form of bound.
+    Each is a one-entry log, so the pass's verdict on each check meets the torch ops' verdict
+    alone: the same violation text, or the same bits. Then every valid entry of a site at once.
+    """
+    from protocol.codec.roundinglog import SiteLog
+    rng = np.random.default_rng(seed)
+    verdicts = {"ok": 0, "violation": 0}
+    for name, y, bound in sites(seed):
+        flat = y.reshape(-1)
+        if not flat.numel():
+            continue
+        r = flat.to(torch.float32)
+        picks = rng.choice(flat.numel(), size=min(60, flat.numel()), replace=False)
+        valid_dirs, valid_values = [], []
+        for i in sorted(int(p) for p in picks):
+            index = np.array([i], dtype=np.int64)
+            for up in (False, True):
+                site = SiteLog(flat.numel(), index, np.array([up]))
+                verdict, applied = same_replay([y], [bound], site, monkeypatch)
+                verdicts[verdict] += 1
+                if verdict == "ok":
+                    assert applied == [True] or bound is None, name  # the fused pass did it
+                    valid_dirs.append((i, up))
+            for bits in value_choices(r[i]):
+                site = SiteLog(flat.numel(), np.zeros(0, dtype=np.int64), np.zeros(0, bool),
+                               index, np.array([bits], dtype=np.int64))
+                verdict, applied = same_replay([y], [bound], site, monkeypatch)
+                verdicts[verdict] += 1
+                if verdict == "ok":
+                    assert applied == [True], name
+                    valid_values.append((i, bits))
+        # all the valid ones together (one direction per element; values at other elements)
+        dirs = dict(valid_dirs)
+        values = {i: b for i, b in valid_values if i not in dirs}
+        site = SiteLog(flat.numel(), np.array(sorted(dirs), dtype=np.int64),
+                       np.array([dirs[i] for i in sorted(dirs)], dtype=bool),
+                       np.array(sorted(values), dtype=np.int64),
+                       np.array([values[i] for i in sorted(values)], dtype=np.int64))
+        verdict, _ = same_replay([y], [bound], site, monkeypatch)
+        assert verdict == "ok", name
+    assert verdicts["ok"] > 100 and verdicts["violation"] > 100, verdicts
+
+
+@needs_fused
+def test_replayed_entries_of_a_site_of_several_results(monkeypatch):
+    """A foreach-like site of three results (one with e = 0): entries are found in the result
+    they fall in (site positions from its offset), valid or not, as by the torch ops."""
+    from protocol.codec.roundinglog import SiteLog
+    from protocol.engine.precision import boundary_distance
+    rng = np.random.default_rng(5)
+    ys = [hard_values(rng, (13, 7)), hard_values(rng, (40,)), hard_values(rng, (5, 9))]
+    bounds: list[Bound] = [Affine(2.0**-40, 0.0), None, Affine(1e-14, 0.0, hard_bounds(rng, ys[2]))]
+    offsets = [0, 91, 131]
+    entries, ups = [], []
+    for y, b, offset in zip(ys, bounds, offsets, strict=True):
+        if b is None:
+            continue
+        flat = y.reshape(-1)
+        e = dense_bounds([y], [b])
+        near = (torch.isfinite(flat) & (boundary_distance(flat, flat.to(torch.float32), POLICY)
+                                        <= 4 * e) & (e > 0)).nonzero().squeeze(1)
+        entries += [offset + int(i) for i in near]
+        ups += [bool(u) for u in rng.integers(0, 2, size=near.numel())]
+    assert len(entries) > 5
+    site = SiteLog(sum(y.numel() for y in ys), np.array(entries, dtype=np.int64),
+                   np.array(ups, dtype=bool))
+    verdict, applied = same_replay(ys, bounds, site, monkeypatch)
+    assert verdict == "ok" and applied == [True, False, True]
+    # one entry in the e = 0 result is a violation, named the same both ways
+    bad = SiteLog(site.numel, np.array(sorted(entries + [offsets[1] + 3]), dtype=np.int64),
+                  np.zeros(len(entries) + 1, dtype=bool))
+    assert same_replay(ys, bounds, bad, monkeypatch)[0] == "violation"
