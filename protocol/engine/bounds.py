@@ -177,9 +177,10 @@ def _abs_keyword(value):
 def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Euclidean norms along `dim`, in float64 whatever the compute dtype: in float32 the
     squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
-    cannot. Along the last dimension `vector_norm`; across it, where `vector_norm` is several
-    times slower on the CPU, the squares summed."""
-    if dim % x.dim() == x.dim() - 1:
+    cannot. Along a dimension adjacent in memory `vector_norm`; along any other (a transposed
+    view's rows, a matrix's columns), where `vector_norm` is several times slower on the CPU,
+    the squares summed."""
+    if x.stride(dim) == 1 or x.shape[dim] == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     wide = x.to(torch.float64)
     return (wide * wide).sum(dim).sqrt()
@@ -282,47 +283,65 @@ def _sum_count(args, kwargs, y) -> int:
 
 
 def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
-    """A plain sum: the reduction rule, except where every order is exact (`_exact_where`)."""
+    """A plain sum: the reduction rule, except where every order is exact (`_exact_where`).
+    One fused pass (`fused`: `torch.ops.ovt.sum_bound`, the same operations) where `x` is a
+    contiguous float64 tensor, the targets float32 and the sum one over a run of dimensions
+    or over all but a run (`_sum_layout`), else torch ops."""
     x = args[0]
     k = _sum_count(args, kwargs, ys[0])
     s = func(_abs(x), *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
-    if not isinstance(bound, Affine):
+    if not isinstance(bound, Affine) or not x.numel():
         return [bound]
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
     reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
+    layout = _sum_layout(x.shape, reduced)
+    if layout is not None and fused.serves(x) and x.dtype == s.dtype == torch.float64 \
+            and x.is_contiguous() and ctx.policy.target == torch.float32:
+        e, representable = torch.ops.ovt.sum_bound(x, s.contiguous(), *layout, bound.scale,
+                                                   bound.floor, _slack(ctx, k),
+                                                   _exact_limit(ctx))
+        return [Affine(1.0, 0.0, e.reshape(s.shape)) if representable else bound]
     smallest = _smallest_terms(ctx, x, reduced, keepdim)
     if smallest is None:
         return [bound]
     return [_exact_where(ctx, k, s, smallest, bound)]
 
 
+def _sum_layout(shape: torch.Size, reduced: list[int]) -> tuple[int, int, int, bool] | None:
+    """A sum over `reduced` of a contiguous tensor of `shape` as `csrc/fused.cpp` `sum_bound`
+    reads it: (a, b, c, False) for a sum over a run of dimensions (a the kept ones before it,
+    c after), (a, b, c, True) for one over all but a run (b, a batch norm's channels), or None.
+    Dimensions of one element belong to either side."""
+    groups: list[list] = []  # [reduced?, elements] of alternating runs
+    for d, n in enumerate(shape):
+        if n == 1:
+            continue
+        if groups and groups[-1][0] == (d in reduced):
+            groups[-1][1] *= n
+        else:
+            groups.append([d in reduced, n])
+    kinds = [g[0] for g in groups]
+    sizes = [g[1] for g in groups]
+    if kinds == [True, False, True]:
+        return sizes[0], sizes[1], sizes[2], True
+    if len(groups) > 3 or kinds.count(True) > 1:
+        return None
+    if True not in kinds:
+        return math.prod(sizes), 1, 1, False
+    at = kinds.index(True)
+    return math.prod(sizes[:at]), sizes[at], math.prod(sizes[at + 1:]), False
+
+
 def _smallest_terms(ctx, x: torch.Tensor, reduced: list[int], keepdim: bool
                     ) -> torch.Tensor | None:
     """For each result of summing `x` over `reduced`: its smallest nonzero |term| (+inf where
-    every term is zero). None where `x` is empty or holds other than target values (every
-    input of a step's sites holds target values, SPEC §3.2: checked, since the exactness
-    argument rests on it; a NaN fails it too). One fused pass (`fused`) where `reduced` is a
-    run of dimensions of a contiguous float64 `x`, else torch ops; an integer or boolean `x`
-    (a count summed into the target dtype) is widened first."""
-    if not x.numel():
-        return None
+    every term is zero). None where `x` holds other than target values (every input of a
+    step's sites holds target values, SPEC §3.2: checked, since the exactness argument rests
+    on it; a NaN fails it too)."""
     if not x.is_floating_point():
         x = x.to(ctx.policy.compute)
-    first = min(reduced, default=0)
-    last = max(reduced, default=-1)
-    if fused.serves(x) and x.dtype == torch.float64 and ctx.policy.target == torch.float32 \
-            and x.is_contiguous() and sorted(reduced) == list(range(first, last + 1)):
-        shape = x.shape
-        smallest, representable = torch.ops.ovt.sum_terms(
-            x, math.prod(shape[:first]), math.prod(shape[first:last + 1]),
-            math.prod(shape[last + 1:]))
-        if not representable:
-            return None
-        kept = [1 if d in reduced else n for d, n in enumerate(shape)] if keepdim else \
-            [n for d, n in enumerate(shape) if d not in reduced]
-        return smallest.reshape(kept)
     if not _holds_target_values(ctx, x):
         return None
     nonzero = x.abs().masked_fill(x == 0, math.inf)
@@ -377,10 +396,20 @@ def _exact_where(ctx, k: int, s: torch.Tensor, smallest: torch.Tensor, bound: Af
     """
     finite = torch.isfinite(smallest)
     m = target_ulp(torch.where(finite, smallest, 0.0).to(ctx.policy.target), ctx.policy)
-    limit = 2.0 ** (ctx.policy.fmt["compute_mantissa"] + 1)
-    exact = ~finite | (s.to(torch.float64) * (1 + 2 * ctx.gamma(k)) < limit * m)
+    exact = ~finite | (s.to(torch.float64) * _slack(ctx, k) < _exact_limit(ctx) * m)
     e = bound.dense(s)
     return Affine(1.0, 0.0, torch.where(exact.reshape(e.shape), 0.0, e))
+
+
+def _slack(ctx, k: int) -> float:
+    """1 + 2γ_K: `S` times this is at least the exact `Σ|x|` of a K-term sum (`_exact_where`)."""
+    return 1 + 2 * ctx.gamma(k)
+
+
+def _exact_limit(ctx) -> float:
+    """2^p, p the compute dtype's significand bits: partial sums that are multiples of `m` and
+    below 2^p·m are exact (`_exact_where`)."""
+    return 2.0 ** (ctx.policy.fmt["compute_mantissa"] + 1)
 
 
 def _reduced(dims, ndim: int) -> list[int]:
@@ -487,8 +516,10 @@ def _per_sample(x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_channel(x: torch.Tensor) -> torch.Tensor:
-    """‖x[:, c]‖ over everything but the channel dimension."""
-    return _norms(x.transpose(0, 1).reshape(x.shape[1], -1), 1)
+    """‖x[:, c]‖ over everything but the channel dimension: the squares summed in float64
+    (as `_norms` across a dimension), with no copy of `x` into channel-major order."""
+    wide = x.to(torch.float64)
+    return (wide * wide).sum([0, *range(2, x.dim())]).sqrt()
 
 
 def _spread(e: Affine | float, dims: int) -> Affine | float:

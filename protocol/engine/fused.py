@@ -3,9 +3,10 @@
 
 Each computes what a sequence of torch ops computes — the same bits, checked by
 tests/protocol/engine/test_bandpass.py and test_pointwise.py — in one read of its input, on the
-CPU: `round_band`, a site's band pass (`bandpass`), `sum_terms`, what the exact-sum rule needs
-of a sum's terms (`bounds._smallest_terms`), and `pointwise`, an elementwise op with e = 0
-computed from float32 inputs to float32 results (`pointwise`). Where the extension is missing
+CPU: `round_band`, a site's band pass (`bandpass`); `apply_entries`, the replayer's check and
+application of a result's log entries (`bandpass.apply_entries`); `sum_bound`, the exact-sum
+rule's bounds of a sum (`bounds._sum`); and `pointwise`, an elementwise op with e = 0 computed
+from float32 inputs to float32 results (`pointwise`). Where the extension is missing
 (no compiler when ovt was installed) ovt says so once, loudly, and uses the torch ops. The
 environment variable `OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py`
 does both).

@@ -8,7 +8,7 @@
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
 //   `_apply_directions` and `_apply_values` do it with torch ops;
-// - sum_terms, what the exact-sum rule (bounds.py `_smallest_terms`) needs of a sum's terms;
+// - sum_bound, the exact-sum rule (bounds.py `_sum`): a sum's bounds, 0 where it is exact;
 // - pointwise, an elementwise op whose float64 result is fixed by IEEE-754 (a correctly rounded
 //   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
 //   from float32 inputs and rounded to float32 in one pass, as the torch ops on widened inputs
@@ -187,7 +187,7 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   }
 }
 
-// Columns [i0, i1) of one (reduced, inner) block of `sum_terms`: writes each column's smallest
+// Columns [i0, i1) of one (reduced, inner) block of `smallest_of`: writes each column's smallest
 // nonzero magnitude (as bits) to m and returns whether every element read is a float32 value.
 OVT_CLONES
 int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inner, int64_t i0,
@@ -207,7 +207,7 @@ int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inn
   return ok;
 }
 
-// Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
+// Rows [o0, o1) of `smallest_of` with inner = 1: each row's smallest nonzero magnitude (as bits)
 // into m, and whether every element read is a float32 value.
 OVT_CLONES
 int64_t smallest_in_rows(const double* x, int64_t* m, int64_t reduced, int64_t o0, int64_t o1) {
@@ -517,20 +517,11 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
   return true;
 }
 
-// The exact-sum rule's view of a sum's terms (bounds.py `_sum`): for x viewed as
-// (outer, reduced, inner), the smallest nonzero |x| over `reduced` for each (outer, inner)
-// (+inf where all are zero), and whether every element of x is a float32 value. A minimum and
-// a conjunction, so order-free: the torch ops give the same (tests/.../test_bandpass.py).
-// Magnitudes are compared as their bit patterns, which order like the values.
-std::tuple<at::Tensor, bool> sum_terms(const at::Tensor& x, int64_t outer, int64_t reduced,
-                                       int64_t inner) {
-  TORCH_CHECK(x.dtype() == at::kDouble && x.is_contiguous() && x.device().is_cpu(),
-              "sum_terms: x must be a contiguous float64 CPU tensor");
-  TORCH_CHECK(outer >= 0 && reduced >= 0 && inner >= 0 && x.numel() == outer * reduced * inner,
-              "sum_terms: x does not have ", outer, " x ", reduced, " x ", inner, " elements");
-  at::Tensor smallest = at::empty({outer * inner}, x.options());
-  const double* xp = x.data_ptr<double>();
-  int64_t* sp = reinterpret_cast<int64_t*>(smallest.data_ptr<double>());
+// Each (outer, inner) column's smallest nonzero |x| over `reduced`, as bits, into m (+inf where
+// all are zero), for x viewed as (outer, reduced, inner); and whether every element of x is a
+// float32 value. A minimum and a conjunction, so order-free. Magnitudes are compared as their
+// bit patterns, which order like the values.
+bool smallest_of(const double* xp, int64_t* sp, int64_t outer, int64_t reduced, int64_t inner) {
   if (inner == 1) {  // a reduction along contiguous rows
     const int64_t rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced, 1));
     const int64_t chunks = (outer + rows - 1) / rows;
@@ -541,7 +532,7 @@ std::tuple<at::Tensor, bool> sum_terms(const at::Tensor& x, int64_t outer, int64
             smallest_in_rows(xp, sp, reduced, c * rows, std::min(outer, (c + 1) * rows));
       }
     });
-    return {smallest, std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; })};
+    return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
   }
   // at least a few cache lines of adjacent columns per work item, even for a long reduction
   const int64_t width = std::min<int64_t>(
@@ -556,7 +547,52 @@ std::tuple<at::Tensor, bool> sum_terms(const at::Tensor& x, int64_t outer, int64
                                                         reduced, inner, i0, i1);
     }
   });
-  return {smallest, std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; })};
+  return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
+}
+
+// The exact-sum rule (bounds.py `_sum` and `_exact_where`, the same operations): x viewed as
+// (a, b, c), summed over b (keep_middle false: one sum per (a, c)) or over a and c (true: one
+// per b), s the sums' magnitudes (computed by the caller). Each sum's bound is
+// e = s·scale + floor, but 0 where every order of the sum is exact — all terms zero, or
+// s·slack < limit·m, m the float32 ULP of its smallest nonzero |term|. The flag is false (and e
+// unset) where x holds other than float32 values: the rule does not apply.
+std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s, int64_t a,
+                                       int64_t b, int64_t c, bool keep_middle, double scale,
+                                       double floor, double slack, double limit) {
+  TORCH_CHECK(x.dtype() == at::kDouble && x.is_contiguous() && x.device().is_cpu(),
+              "sum_bound: x must be a contiguous float64 CPU tensor");
+  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && x.numel() == a * b * c,
+              "sum_bound: x does not have ", a, " x ", b, " x ", c, " elements");
+  const int64_t sums = keep_middle ? b : a * c;
+  TORCH_CHECK(s.dtype() == at::kDouble && s.is_contiguous() && s.device().is_cpu() &&
+                  s.numel() == sums,
+              "sum_bound: s must be a contiguous float64 CPU tensor of ", sums, " elements");
+  at::Tensor e = at::empty({sums}, x.options());
+  std::vector<int64_t> smallest(static_cast<size_t>(sums));
+  const double* xp = x.data_ptr<double>();
+  if (keep_middle) {  // each (a, b) row's smallest over c, then each b's over a
+    std::vector<int64_t> rows(static_cast<size_t>(a * b));
+    if (!smallest_of(xp, rows.data(), a * b, c, 1)) return {e, false};
+    std::fill(smallest.begin(), smallest.end(), kInfBits);
+    for (int64_t i = 0; i < a; ++i) {
+      for (int64_t j = 0; j < b; ++j) {
+        const int64_t key = rows[static_cast<size_t>(i * b + j)];
+        int64_t& best = smallest[static_cast<size_t>(j)];
+        best = key < best ? key : best;
+      }
+    }
+  } else if (!smallest_of(xp, smallest.data(), a, b, c)) {
+    return {e, false};
+  }
+  const double* sp = s.data_ptr<double>();
+  double* ep = e.data_ptr<double>();
+  for (int64_t o = 0; o < sums; ++o) {
+    const int64_t key = smallest[static_cast<size_t>(o)];
+    const bool exact = key == kInfBits ||
+                       sp[o] * slack < limit * target_ulp(static_cast<float>(as_double(key)));
+    ep[o] = exact ? 0.0 : sp[o] * scale + floor;
+  }
+  return {e, true};
 }
 
 }  // namespace
@@ -565,7 +601,9 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "round_band(Tensor y, int mode, Tensor? m, Tensor? col, Tensor? add, int inner, int rows, "
       "float scale, float floor) -> (Tensor, Tensor)");
-  lib.def("sum_terms(Tensor x, int outer, int reduced, int inner) -> (Tensor, bool)");
+  lib.def(
+      "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
+      "float floor, float slack, float limit) -> (Tensor, bool)");
   lib.def(
       "apply_entries(Tensor y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
       "Tensor value_indices, Tensor values, int mode, Tensor? m, Tensor? col, Tensor? add, "
@@ -578,7 +616,7 @@ TORCH_LIBRARY(ovt, lib) {
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("pointwise", &pointwise);
-  lib.impl("sum_terms", &sum_terms);
+  lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
 }
 

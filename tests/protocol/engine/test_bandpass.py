@@ -229,11 +229,15 @@ def test_the_fused_pass_is_refused_gracefully_for_other_policies(monkeypatch):
 
 @needs_fused
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_fused_sum_terms_are_the_torch_ones(seed, monkeypatch):
-    """`bounds._smallest_terms` both ways, over every run of dimensions (and a 0-d sum): terms
-    of many magnitudes, with zeros, -0, subnormals; then one non-float32 term, one NaN and one
-    inf in turn, each of which must (or, for inf, need not) refuse the exact rule."""
-    from protocol.engine.bounds import BoundContext, _smallest_terms
+def test_the_fused_sum_rule_is_the_torch_one(seed, monkeypatch):
+    """The exact-sum rule (`bounds._sum`) both ways, over every run of dimensions, all but a run
+    (a batch norm's sums), other sets (torch ops on both paths) and a 0-d sum, keepdim or not,
+    with dimensions of one element among them: terms of many magnitudes, with zeros, -0,
+    subnormals; terms of few
+    bits and like sizes, whose sums sit on either side of the exactness limit; then one
+    non-float32 term, one NaN and one inf in turn, each of which must (or, for inf, need not)
+    refuse the exact rule. The same bounds bit for bit, zero where exact."""
+    from protocol.engine.bounds import BoundContext, _sum
     ctx = BoundContext(POLICY)
     rng = np.random.default_rng(seed)
     x = torch.from_numpy(rng.normal(size=(5, 6, 7)) * 10.0 ** rng.integers(-8, 8, size=(5, 6, 7)))
@@ -242,29 +246,47 @@ def test_the_fused_sum_terms_are_the_torch_ones(seed, monkeypatch):
     x.view(-1)[1::11] = -0.0
     x.view(-1)[2::17] = 2.0**-149
     x[1, :, 3] = 0.0  # a column of zeros: +inf
-    cases = [x, x.clone().fill_(0.0), torch.tensor(3.0, dtype=F64)]
+    few_bits = torch.from_numpy(np.ldexp(rng.integers(-64, 65, size=(6, 5, 8)).astype(float),
+                                         rng.integers(-30, -20, size=(6, 5, 8))))
+    few_bits[0, :, :] = 2.0**24  # big terms: the small ones of the same sum make it inexact
+    wide = x.to(torch.float32).to(F64).reshape(5, 6, 1, 7, 1)
+    cases = [x, few_bits, x.clone().fill_(0.0), torch.tensor(3.0, dtype=F64)]
     for bad in (1.0 + 2.0**-40, math.nan, math.inf):
         y = x.clone()
         y[2, 3, 4] = bad
         cases.append(y)
-    runs = [[0], [1], [2], [0, 1], [1, 2], [0, 1, 2], [-1], [2, 1]]
-    for t in cases:
-        for dims in (runs if t.dim() else [[]]):
+    cases.append(wide)
+    runs = {3: [[0], [1], [2], [0, 1], [1, 2], [0, 1, 2], [-1], [2, 1], [0, 2], [2, 0]],
+            0: [[]],
+            5: [[0, 3], [0, 2, 3], [0, 3, 4], [1, 3], [1, 2], [2, 4], [0, 2, 4], [1],
+                [0, 1, 2, 3, 4]]}
+    from protocol.engine.bounds import _sum_layout
+    assert _sum_layout(torch.Size([5, 6, 7]), [0, 2]) == (5, 6, 7, True)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [0, 3, 4]) == (5, 6, 7, True)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [1]) == (5, 6, 7, False)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [2, 4]) == (210, 1, 1, False)
+    assert _sum_layout(torch.Size([2, 3, 4, 5]), [0, 2]) is None  # R K R K: torch ops
+    seen = {"exact": 0, "bounded": 0}
+    for index, t in enumerate(cases):
+        for dims in runs[t.dim()]:
             for keepdim in (False, True):
-                reduced = [d % max(t.dim(), 1) for d in dims]
+                args = (t, dims, keepdim)
+                y = torch.ops.aten.sum.dim_IntList(*args)
                 got = {}
                 for on in (True, False):
                     monkeypatch.setattr(fused, "ENABLED", on)
-                    got[on] = _smallest_terms(ctx, t, reduced, keepdim)
-                assert (got[True] is None) == (got[False] is None), (dims, keepdim)
-                if got[True] is not None:
-                    assert got[True].shape == got[False].shape
-                    assert torch.equal(got[True], got[False]), (dims, keepdim)
-    monkeypatch.setattr(fused, "ENABLED", True)
-    assert _smallest_terms(ctx, cases[3], [0], False) is None  # not a float32 value
-    assert _smallest_terms(ctx, cases[4], [0], False) is None  # NaN
-    assert torch.isinf(_smallest_terms(ctx, x, [1], False)[1, 3])  # the column of zeros
-
+                    [bound] = _sum(ctx, torch.ops.aten.sum.dim_IntList, args, {}, [y])
+                    # the exact rule applied (a bound of its own) or refused (the plain rule)
+                    got[on] = (bound.scale == 1.0, bound.dense(y).expand(y.shape))
+                assert got[True][0] == got[False][0], (index, dims, keepdim)
+                assert torch.equal(got[True][1].view(torch.int64),
+                                   got[False][1].view(torch.int64)), (index, dims, keepdim)
+                applied, e = got[True]
+                assert applied == (index not in (4, 5)), (index, dims)  # not float32; NaN
+                if index == 1:  # nonzero terms: exact or not by the limit alone
+                    seen["exact"] += int((e == 0).sum())
+                    seen["bounded"] += int((e > 0).sum())
+    assert seen["exact"] > 20 and seen["bounded"] > 20, seen
 
 def replay_site(ys, bounds, site, monkeypatch, on: bool, applied: list[bool]):
     """One site replayed with the fused passes on or off: ("ok", the rounded bits of each
