@@ -87,27 +87,28 @@ def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | 
 
 
 def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(r, candidates, e at the candidates) of one result `y` of a site, `flat` its values in
-    logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype, the
-    sorted indices into `flat` that may lie in the band (`precision.band_candidates`), and
-    their bounds (float64). The last two are None where there is no candidate."""
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                          torch.Tensor | None]:
+    """(r, candidates, e at them, values at them) of one result `y` of a site, `flat` its values
+    in logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype, the
+    sorted indices into `flat` that may lie in the band (`precision.band_candidates`), their
+    bounds (float64) and `flat` there. The last three are None where there is no candidate."""
     if bound is None or not flat.numel():
-        return flat.to(policy.target), None, None
+        return flat.to(policy.target), None, None, None
     if fused.serves(flat) and (policy.compute, policy.target) == _FUSED_PAIR:
         spec = _flat_bound(y, bound)
-        r, cand = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m, spec.col,
-                                           spec.add, spec.inner, spec.rows, spec.scale,
-                                           spec.floor)
+        r, cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m,
+                                                   spec.col, spec.add, spec.inner, spec.rows,
+                                                   spec.scale, spec.floor)
         if not cand.numel():
-            return r, None, None
-        return r, cand, spec.at(flat, cand)
+            return r, None, None, None
+        return r, cand, ev, yv
     e = dense_bounds([y], [bound])
     assert e is not None
     cand = band_candidates(flat, e, policy)
     if not cand.numel():
-        return flat.to(policy.target), None, None
-    return flat.to(policy.target), cand, e[cand].to(torch.float64)
+        return flat.to(policy.target), None, None, None
+    return flat.to(policy.target), cand, e[cand].to(torch.float64), flat[cand]
 
 
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,

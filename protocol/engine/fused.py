@@ -49,4 +49,4 @@ ENABLED = MISSING is None and os.environ.get("OVT_FUSED") != "0"
 
 def serves(t: torch.Tensor) -> bool:
     """Whether a fused operator runs on `t`: enabled, and `t` on the CPU."""
-    return ENABLED and t.device.type == "cpu"
+    return ENABLED and t.is_cpu

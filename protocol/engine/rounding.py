@@ -85,9 +85,8 @@ class SiteRecorder:
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
         self._numels: list[int] = []  # per site rounded so far
-        # per tensor with candidates: (site, site positions, y, RNE(y), e) at the candidates
-        self._candidates: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor,
-                                     torch.Tensor]] = []
+        # per tensor with candidates: (site, site positions, y, e) at the candidates
+        self._candidates: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._sites: list[SiteLog] = []  # the first sites, decided
         self._part_ends: list[int] = []  # the site count at each micro-batch's end
 
@@ -101,9 +100,9 @@ class SiteRecorder:
         out, found, offset, site = [], [], 0, len(self._numels)
         for y, b in zip(ys, bounds, strict=True):
             flat = y.reshape(-1)
-            r, cand, ev = round_band(flat, y, b, self.policy)
-            if cand is not None and ev is not None:
-                found.append((site, cand + offset, flat[cand], r[cand], ev))
+            r, cand, ev, yv = round_band(flat, y, b, self.policy)
+            if cand is not None and ev is not None and yv is not None:
+                found.append((site, cand + offset if offset else cand, yv, ev))
             out.append(_shaped(r, y))
             offset += y.numel()
         self._candidates.extend(found)  # (only once the whole site has been rounded)
@@ -141,8 +140,8 @@ class SiteRecorder:
                               for c in pending])
             pos = torch.cat([c[1].cpu() for c in pending])
             yv = torch.cat([c[2].cpu() for c in pending])
-            rv = torch.cat([c[3].cpu() for c in pending])
-            ev = torch.cat([c[4].cpu() for c in pending])
+            rv = yv.to(self.policy.target)
+            ev = torch.cat([c[3].cpu() for c in pending])
             # a NaN or infinite result is no choice; one near the overflow threshold is
             keep = torch.isfinite(yv) & (boundary_distance(yv, rv, self.policy) <= 2 * ev)
             site_np = site.numpy()[keep.numpy()]

@@ -2,8 +2,8 @@
 // of its input computing what a sequence of torch ops computes, the same bits (checked by
 // tests/protocol/engine/test_bandpass.py):
 // - round_band, the recorder's band pass (SPEC §3.2): a site's float64 values give their
-//   float32 roundings and the flat indices that may lie in the band, with each element's bound
-//   e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
+//   float32 roundings, the flat indices that may lie in the band, their bounds and values, with each
+//   element's bound e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
@@ -92,6 +92,13 @@ inline double base_at(const Spec& s, const double* y, int64_t i) {
   double base = s.m[row] * s.col[(row / s.rows) * s.inner + j];
   if (s.add != nullptr) base = base + s.add[s.add_per_column ? j : i];
   return base;
+}
+
+// Element i's bound e at a candidate or a logged entry (bandpass.py `_FlatBound.at`: NaN as +inf).
+inline double bound_at(const Spec& s, const double* y, int64_t i) {
+  const double e = base_at(s, y, i) * s.scale + s.floor;
+  if (std::isnan(e)) return INFINITY;
+  return e == -INFINITY ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
 }
 
 // Whether y may lie within 2e of a rounding boundary: precision.py `band_candidates`, the same
@@ -378,7 +385,8 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> round_band(
+    const at::Tensor& y, int64_t mode,
                                               const c10::optional<at::Tensor>& m,
                                               const c10::optional<at::Tensor>& col,
                                               const c10::optional<at::Tensor>& add, int64_t inner,
@@ -403,7 +411,16 @@ std::tuple<at::Tensor, at::Tensor> round_band(const at::Tensor& y, int64_t mode,
   at::Tensor candidates = at::empty({static_cast<int64_t>(total)}, y.options().dtype(at::kLong));
   int64_t* out = candidates.data_ptr<int64_t>();
   for (const auto& f : found) out = std::copy(f.begin(), f.end(), out);
-  return {r, candidates};
+  at::Tensor bounds = at::empty({static_cast<int64_t>(total)}, y.options());
+  at::Tensor values = at::empty({static_cast<int64_t>(total)}, y.options());
+  const int64_t* cp = candidates.data_ptr<int64_t>();
+  double* bp = bounds.data_ptr<double>();
+  double* vp = values.data_ptr<double>();
+  for (size_t k = 0; k < total; ++k) {
+    bp[k] = bound_at(s, yp, cp[k]);
+    vp[k] = yp[cp[k]];
+  }
+  return {r, candidates, bounds, values};
 }
 
 // float32's ULP just above |r| (precision.py `target_ulp`): 2**E of r's binade, the subnormal
@@ -427,13 +444,6 @@ inline double boundary_distance(double y, float r, double overflow) {
   const double gap_above = std::fabs(above - a), gap_below = std::fabs(a - below);
   // torch.minimum; NaN only for a non-finite y, which no entry may have (checked by callers)
   return gap_above < gap_below ? gap_above : gap_below;
-}
-
-// Element i's bound e as the replayer reads it (bandpass.py `_FlatBound.at`: NaN as +inf).
-inline double bound_at(const Spec& s, const double* y, int64_t i) {
-  const double e = base_at(s, y, i) * s.scale + s.floor;
-  if (std::isnan(e)) return INFINITY;
-  return e == -INFINITY ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
 }
 
 const int64_t* entry_indices(const at::Tensor& t, const char* name) {
@@ -600,7 +610,7 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
 TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "round_band(Tensor y, int mode, Tensor? m, Tensor? col, Tensor? add, int inner, int rows, "
-      "float scale, float floor) -> (Tensor, Tensor)");
+      "float scale, float floor) -> (Tensor, Tensor, Tensor, Tensor)");
   lib.def(
       "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> (Tensor, bool)");

@@ -104,9 +104,12 @@ def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
 
 
 def band(flat, y, bound, policy=POLICY):
-    """`round_band`, with "no candidate" as an empty index tensor."""
-    r, cand, e = round_band(flat, y, bound, policy)
-    assert (cand is None) == (e is None)
+    """`round_band`, with "no candidate" as an empty index tensor; the values it gives at the
+    candidates are checked to be `flat`'s."""
+    r, cand, e, values = round_band(flat, y, bound, policy)
+    assert (cand is None) == (e is None) == (values is None)
+    if cand is not None:
+        assert torch.equal(values.view(torch.int64), flat[cand].view(torch.int64))
     return r, torch.zeros(0, dtype=torch.int64) if cand is None else cand, e
 
 
