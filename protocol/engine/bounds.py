@@ -351,20 +351,29 @@ def _smallest_terms(ctx, x: torch.Tensor, reduced: list[int], keepdim: bool
 def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     """Embedding backward: row w of the result sums the gradient rows of the positions whose
     index is w — a reduction, exact where every order is (`_exact_where`, over the smallest
-    nonzero magnitude among the rows summed into each element)."""
+    nonzero magnitude among the rows summed into each element). Only the rows some index
+    names are worked out: every other row has no terms, so it is zero and exact (e = 0) —
+    at GPT-2's vocabulary, most of a result that is vocabulary × width."""
     [bound] = _linear(_embedding_backward_count)(ctx, func, args, kwargs, ys)
     grad, indices = args[0], args[1]
     scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
-    if scale or not isinstance(bound, Affine) or not indices.numel() or \
+    if scale or not isinstance(bound, Affine) or bound.m is None or not indices.numel() or \
             not _holds_target_values(ctx, grad):
         return [bound]
-    magnitudes = grad.abs()
-    rows = magnitudes.masked_fill(grad == 0, math.inf).reshape(indices.numel(), -1)
-    smallest = torch.full(ys[0].shape, math.inf, dtype=rows.dtype, device=rows.device)
-    smallest.scatter_reduce_(0, indices.reshape(-1, 1).expand_as(rows), rows, "amin")
-    s = func(magnitudes, *args[1:])
-    return [_exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), s, smallest,
-                         bound)]
+    s = bound.m  # the op on |grad|: Σ|terms| of each element
+    rows, position = torch.unique(indices.reshape(-1), return_inverse=True)
+    magnitudes = grad.abs().reshape(indices.numel(), -1)
+    terms = magnitudes.masked_fill(magnitudes == 0, math.inf)
+    smallest = torch.full((rows.numel(), terms.shape[1]), math.inf, dtype=terms.dtype,
+                          device=terms.device)
+    smallest.scatter_reduce_(0, position.reshape(-1, 1).expand_as(terms), terms, "amin")
+    named = s[rows]
+    exact = _exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), named,
+                         smallest, Affine(bound.scale, bound.floor, named))
+    assert exact.m is not None
+    e = torch.zeros_like(s)
+    e[rows] = exact.m
+    return [Affine(1.0, 0.0, e)]
 
 
 def _holds_target_values(ctx, x) -> bool:

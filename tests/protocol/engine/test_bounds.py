@@ -580,6 +580,37 @@ def test_embedding_dense_backward(kind, scale):
                     args, {}, [terms])
 
 
+@pytest.mark.parametrize("padding_idx", [-1, 2])
+def test_embedding_backward_bounds_are_worked_out_on_the_named_rows_alone(padding_idx):
+    """The rule evaluates the exact-sum test only on the rows some index names; every other row
+    has no terms (e = 0). Against the rule's reading over the whole result (the smallest term
+    of every element, +inf where none), bit for bit: repeated indices, the padding row, rows
+    no index names, zero gradients, few-bit values whose sums are exact or not."""
+    from protocol.engine.bounds import _exact_where, _linear
+    ctx = BoundContext(PrecisionPolicy())
+    rng = np.random.default_rng(21)
+    num_weights, d = 40, 6
+    indices = torch.from_numpy(rng.integers(0, 25, (3, 17)))  # rows 25.. are never named
+    indices[0, :5] = 2
+    grad = torch.from_numpy(np.ldexp(rng.integers(-40, 41, (3, 17, d)).astype(float),
+                                     rng.integers(-30, -10, (3, 17, d))))
+    grad[1, 3] = 0.0
+    grad[2, :, 1] *= 2.0**30  # big terms beside small ones: inexact sums
+    func = aten.embedding_dense_backward.default
+    args = (grad, indices, num_weights, padding_idx, False)
+    y = func(*args)
+    [bound] = bounds_for(ctx, rule_of(func, args, {}), func, args, {}, [y])
+    # the whole result's reading
+    [plain] = _linear(lambda a, k, y: a[1].numel())(ctx, func, args, {}, [y])
+    rows = grad.abs().masked_fill(grad == 0, math.inf).reshape(indices.numel(), -1)
+    smallest = torch.full(y.shape, math.inf, dtype=torch.float64)
+    smallest.scatter_reduce_(0, indices.reshape(-1, 1).expand_as(rows), rows, "amin")
+    whole = _exact_where(ctx, indices.numel(), plain.m, smallest, plain)
+    got, want = dense_bound(bound, y), dense_bound(whole, y)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert bool((got[25:] == 0).all()) and bool((got > 0).any()) and bool((got[:25] == 0).any())
+
+
 @pytest.mark.parametrize("kind", ["normal", "mixed", "cancel", "subnormal"])
 @pytest.mark.parametrize("alpha", [1.0, 2.0, float(f32(-0.3))])
 def test_index_add(kind, alpha):
