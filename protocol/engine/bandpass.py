@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -175,13 +176,23 @@ def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
 def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float) -> _FlatBound:
     """A base tensor broadcast to `y`: one value per run of trailing elements where its shape
     is y's leading dimensions followed by ones, else expanded to one value per element."""
-    shape = (1,) * (y.dim() - m.dim()) + tuple(m.shape)
-    lead = len(shape)
-    while lead and shape[lead - 1] == 1:
-        lead -= 1
-    if shape[:lead] == tuple(y.shape[:lead]):
-        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=math.prod(y.shape[lead:]))
+    inner = _run(y.shape, m.shape)
+    if inner is not None:
+        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=inner)
     return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape)))
+
+
+@lru_cache(maxsize=4096)
+def _run(shape: torch.Size, base: torch.Size) -> int | None:
+    """The elements of `shape` sharing one value of a tensor of shape `base` broadcast to it,
+    where `base` is `shape`'s leading dimensions followed by ones (`_rows`); else None."""
+    padded = (1,) * (len(shape) - len(base)) + tuple(base)
+    lead = len(padded)
+    while lead and padded[lead - 1] == 1:
+        lead -= 1
+    if padded[:lead] == tuple(shape[:lead]):
+        return math.prod(shape[lead:])
+    return None
 
 
 def _float64(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -296,7 +297,7 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
     reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
-    layout = _sum_layout(x.shape, reduced)
+    layout = _sum_layout(x.shape, tuple(reduced))
     if layout is not None and fused.serves(x) and x.dtype == s.dtype == torch.float64 \
             and x.is_contiguous() and ctx.policy.target == torch.float32:
         e, representable = torch.ops.ovt.sum_bound(x, s.contiguous(), *layout, bound.scale,
@@ -309,7 +310,8 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     return [_exact_where(ctx, k, s, smallest, bound)]
 
 
-def _sum_layout(shape: torch.Size, reduced: list[int]) -> tuple[int, int, int, bool] | None:
+@lru_cache(maxsize=4096)
+def _sum_layout(shape: torch.Size, reduced: tuple[int, ...]) -> tuple[int, int, int, bool] | None:
     """A sum over `reduced` of a contiguous tensor of `shape` as `csrc/fused.cpp` `sum_bound`
     reads it: (a, b, c, False) for a sum over a run of dimensions (a the kept ones before it,
     c after), (a, b, c, True) for one over all but a run (b, a batch norm's channels), or None.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -132,6 +133,41 @@ def _functional_of(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     return functional
 
 
+@dataclass(frozen=True)
+class _OpPlan:
+    """What the interceptor needs to know of an op overload, worked out once per overload and
+    found by its identity (`plan_of`): an `OpOverload` hashes in Python, and the hot path
+    asked each of these facts of it through a cache of its own (issue 13)."""
+
+    func: torch._ops.OpOverload  # held, so that its id stays its own
+    kind: OpKind
+    name: str  # op_name
+    converts: bool  # _to_copy or copy_: a cast into the target dtype rounds (`_narrows`)
+    index_put: bool  # whether it accumulates depends on the call (`optable.accumulates`)
+    positions: frozenset[int]  # the arguments it writes (mutated_args)
+    names: frozenset[str]
+    fixed: bool  # computed by its fixed formula (pointwise.is_fixed)
+    elementwise: bool  # one of pointwise's ops, in a form it takes (pointwise.takes)
+    foreach: bool
+    in_place: bool
+
+
+_PLANS: dict[int, _OpPlan] = {}
+
+
+def plan_of(func: torch._ops.OpOverload) -> _OpPlan:
+    plan = _PLANS.get(id(func))
+    if plan is None:
+        packet = func.overloadpacket.__name__
+        positions, names = mutated_args(func)
+        _, foreach, in_place = pointwise.family(func)
+        plan = _OpPlan(func, op_kind(func), op_name(func), packet in ("_to_copy", "copy_"),
+                       packet in ("index_put", "index_put_"), positions, names,
+                       pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place)
+        _PLANS[id(func)] = plan
+    return plan
+
+
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.device)
 
@@ -162,42 +198,42 @@ class RoundingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = op_kind(func)
+        plan = plan_of(func)
+        kind = plan.kind
         if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
             with self:
                 return serve_random_op(func, args, kwargs, self.randomness)
-        if kind is OpKind.EXACT and not accumulates(func, args, kwargs):
-            name = func.overloadpacket.__name__
-            if name in ("_to_copy", "copy_") and self._narrows(args, kwargs):
+        if kind is OpKind.EXACT and not (plan.index_put and accumulates(func, args, kwargs)):
+            if plan.converts and self._narrows(args, kwargs):
                 out = self._narrowing_copy(func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
-            self._forget_writes(func, args, kwargs)
+            self._forget_writes(plan, args, kwargs)
             return out
-        return self._float_op(func, args, kwargs)
+        return self._float_op(plan, func, args, kwargs)
 
-    def _forget_writes(self, func, args, kwargs) -> None:
-        positions, names = mutated_args(func)
-        for i in positions:
+    def _forget_writes(self, plan: _OpPlan, args, kwargs) -> None:
+        for i in plan.positions:
             if i < len(args):
                 self._widened.forget(args[i])
-        for name in names:
+        for name in plan.names:
             if name in kwargs:
                 self._widened.forget(kwargs[name])
 
     # -- FLOAT ops -----------------------------------------------------------------------------
 
-    def _float_op(self, func, args, kwargs):
-        elements = pointwise.operands(func, args, kwargs)
-        if elements:  # (an empty foreach list is no site on any path)
-            done = self._fused_pointwise(func, args, elements)
-            if done is not None:
-                return done[0]
-        fixed = pointwise.is_fixed(func)
+    def _float_op(self, plan: _OpPlan, func, args, kwargs):
+        if plan.elementwise:
+            elements = pointwise.operands(func, args, kwargs)
+            if elements:  # (an empty foreach list is no site on any path)
+                done = self._fused_pointwise(plan, args, elements)
+                if done is not None:
+                    return done[0]
+        fixed = plan.fixed
         rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
-        positions, names = mutated_args(func)
+        positions, names = plan.positions, plan.names
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         found = [False, False]  # target-dtype inputs, compute-dtype inputs
         wide_args = tuple(self._widen(func, a, i in positions, writes, found)
@@ -225,7 +261,7 @@ class RoundingMode(TorchDispatchMode):
                     f"takes real tensors and real scalars only; this call passes other "
                     f"arguments")
             results = [pointwise.fixed_result(e) for e in fixed_elements]
-            out = results if pointwise.family(func)[1] else results[0]
+            out = results if plan.foreach else results[0]
         elif functional is not None:  # out of place, so that the inputs stay as they were
             out = self.compute(functional, wide_args, wide_kwargs)
             results = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -239,7 +275,7 @@ class RoundingMode(TorchDispatchMode):
                 out = None
         return self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
 
-    def _fused_pointwise(self, func, args, elements: list[pointwise.Elementwise]
+    def _fused_pointwise(self, plan: _OpPlan, args, elements: list[pointwise.Elementwise]
                          ) -> tuple[Any] | None:
         """Compute an op with `e = 0` straight from its target-dtype inputs in one fused pass
         (`pointwise`), as a site of its own with nothing in its band; `(result,)`, or None where
@@ -249,13 +285,12 @@ class RoundingMode(TorchDispatchMode):
         values), declines."""
         policy = self.policy
         claim = getattr(self.rounder, "claim_exact_site", None)
-        _, foreach, in_place = pointwise.family(func)
+        foreach, in_place = plan.foreach, plan.in_place
         if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32) \
-                or func._overloadname.endswith("out"):  # (an out= form writes its `out`)
+                or plan.func._overloadname.endswith("out"):  # (an out= form writes its `out`)
             return None
         calls = pointwise.fused_plan(elements, in_place)
-        if calls is None or not claim(op_name(func),
-                                      sum(c.element.a.numel() for c in calls)):
+        if calls is None or not claim(plan.name, sum(c.element.a.numel() for c in calls)):
             return None
         results = pointwise.run_fused(calls, in_place, self._round_scalar)
         if in_place:
@@ -307,7 +342,7 @@ class RoundingMode(TorchDispatchMode):
                 f"{op_name(func)} makes {sorted(map(str, made))} results inside a step; the "
                 f"precision policy {self.policy.name} certifies only its two dtypes (SPEC §3.1)")
         if not made:
-            self._forget_writes(func, args, kwargs)
+            self._forget_writes(plan_of(func), args, kwargs)
             return out
         if rule is None:
             return self._decompose(func, args, kwargs)
@@ -401,7 +436,7 @@ class RoundingMode(TorchDispatchMode):
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
         bounds = [None] * len(ys) if rule is None else \
             bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
-        return self.rounder.round_site(op_name(func), ys, bounds)
+        return self.rounder.round_site(plan_of(func).name, ys, bounds)
 
     # -- conversions into the target dtype -------------------------------------------------------
 

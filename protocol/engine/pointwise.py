@@ -91,9 +91,16 @@ def family(func: torch._ops.OpOverload) -> tuple[str, bool, bool]:
 @lru_cache(maxsize=4096)
 def is_fixed(func: torch._ops.OpOverload) -> bool:
     """Whether ovt computes `func` by its fixed formula (module docstring)."""
+    return family(func)[0] in FIXED and takes(func)
+
+
+@lru_cache(maxsize=4096)
+def takes(func: torch._ops.OpOverload) -> bool:
+    """Whether `func` is one of this module's ops in a form `operands` may take (whether it
+    does depends on the call's arguments)."""
     name, foreach, _ = family(func)
     overloads = _OVERLOADS.get(name)
-    return name in FIXED and overloads is not None and func._overloadname in overloads[foreach]
+    return overloads is not None and func._overloadname in overloads[foreach]
 
 
 def operands(func: torch._ops.OpOverload, args: tuple, kwargs: dict
@@ -101,10 +108,9 @@ def operands(func: torch._ops.OpOverload, args: tuple, kwargs: dict
     """The op as this module's elementwise ops, one per result tensor (a foreach op: one per
     list element), or None where it is none of them: another op or overload, add or sub with
     alpha != 1, a scalar that is not a real number, a tensor scalar list."""
-    name, foreach, _ = family(func)
-    overloads = _OVERLOADS.get(name)
-    if overloads is None or func._overloadname not in overloads[foreach]:
+    if not takes(func):
         return None
+    name, foreach, _ = family(func)
     if not foreach:
         one = _element(name, args, kwargs)
         return None if one is None else [one]

@@ -264,11 +264,11 @@ def test_the_fused_sum_rule_is_the_torch_one(seed, monkeypatch):
             5: [[0, 3], [0, 2, 3], [0, 3, 4], [1, 3], [1, 2], [2, 4], [0, 2, 4], [1],
                 [0, 1, 2, 3, 4]]}
     from protocol.engine.bounds import _sum_layout
-    assert _sum_layout(torch.Size([5, 6, 7]), [0, 2]) == (5, 6, 7, True)
-    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [0, 3, 4]) == (5, 6, 7, True)
-    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [1]) == (5, 6, 7, False)
-    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), [2, 4]) == (210, 1, 1, False)
-    assert _sum_layout(torch.Size([2, 3, 4, 5]), [0, 2]) is None  # R K R K: torch ops
+    assert _sum_layout(torch.Size([5, 6, 7]), (0, 2)) == (5, 6, 7, True)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), (0, 3, 4)) == (5, 6, 7, True)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), (1,)) == (5, 6, 7, False)
+    assert _sum_layout(torch.Size([5, 6, 1, 7, 1]), (2, 4)) == (210, 1, 1, False)
+    assert _sum_layout(torch.Size([2, 3, 4, 5]), (0, 2)) is None  # R K R K: torch ops
     seen = {"exact": 0, "bounded": 0}
     for index, t in enumerate(cases):
         for dims in runs[t.dim()]:
