@@ -125,26 +125,26 @@ __attribute__((always_inline)) inline int64_t in_band(double y, double e) {
 }
 
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
-// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and one
-// flag per element, and only a block with a flag set is scanned for its indices.
+// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and tells
+// whether any element of the block is in the band; only such a block (rare) is tested again,
+// element by element, for its indices.
 template <typename Base>
-__attribute__((always_inline)) inline void scan_range(const double* y, float* r, int64_t begin, int64_t end, double scale,
-                       double floor, Base base, std::vector<int64_t>& out) {
+__attribute__((always_inline)) inline void scan_range(const double* y, float* r, int64_t begin,
+                                                      int64_t end, double scale, double floor,
+                                                      Base base, std::vector<int64_t>& out) {
   constexpr int64_t kBlock = 256;
-  int64_t flags[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
     int64_t any = 0;
     for (int64_t k = 0; k < n; ++k) {
       const double v = y[b + k];
       r[b + k] = static_cast<float>(v);
-      const int64_t flag = in_band(v, scale * base(b + k, v) + floor);
-      flags[k] = flag;
-      any |= flag;
+      any |= in_band(v, scale * base(b + k, v) + floor);
     }
     if (any) {
       for (int64_t k = 0; k < n; ++k) {
-        if (flags[k]) out.push_back(b + k);
+        const double v = y[b + k];
+        if (in_band(v, scale * base(b + k, v) + floor)) out.push_back(b + k);
       }
     }
   }
