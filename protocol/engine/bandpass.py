@@ -124,6 +124,8 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
     `apply_entries`). True where it applied them all; False, with `r` untouched, where the pass
     does not serve here (CUDA, the bfloat16 policy, no extension, a result with e = 0) or an
     entry is invalid: the caller's torch ops then apply them, or report the violation."""
+    if not flat.numel():
+        return True  # (no entry can fall in it)
     if bound is None or flat.dtype != torch.float64 or not fused.serves(flat) \
             or (policy.compute, policy.target) != _FUSED_PAIR:
         return False

@@ -296,6 +296,7 @@ def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
         return [bound]
     dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
+    # no dims, or an empty list, reduces them all (aten.sum and prims.sum alike)
     reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
     layout = _sum_layout(x.shape, tuple(reduced))
     if layout is not None and fused.serves(x) and x.dtype == s.dtype == torch.float64 \
@@ -341,7 +342,8 @@ def _smallest_terms(ctx, x: torch.Tensor, reduced: list[int], keepdim: bool
     """For each result of summing `x` over `reduced`: its smallest nonzero |term| (+inf where
     every term is zero). None where `x` holds other than target values (every input of a
     step's sites holds target values, SPEC §3.2: checked, since the exactness argument rests
-    on it; a NaN fails it too)."""
+    on it; a NaN fails it too). An integer or boolean `x` (a count summed into the target
+    dtype) is widened first."""
     if not x.is_floating_point():
         x = x.to(ctx.policy.compute)
     if not _holds_target_values(ctx, x):

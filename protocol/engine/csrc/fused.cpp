@@ -2,8 +2,9 @@
 // of its input computing what a sequence of torch ops computes, the same bits (checked by
 // tests/protocol/engine/test_bandpass.py):
 // - round_band, the recorder's band pass (SPEC §3.2): a site's float64 values give their
-//   float32 roundings, the flat indices that may lie in the band, their bounds and values, with each
-//   element's bound e = scale·base + floor computed on the way (protocol/engine/bounds.py, `Affine`), as
+//   float32 roundings, the flat indices that may lie in the band, and their bounds and values,
+//   with each element's bound e = scale·base + floor computed on the way
+//   (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
@@ -386,11 +387,9 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> round_band(
-    const at::Tensor& y, int64_t mode,
-                                              const c10::optional<at::Tensor>& m,
-                                              const c10::optional<at::Tensor>& col,
-                                              const c10::optional<at::Tensor>& add, int64_t inner,
-                                              int64_t rows, double scale, double floor) {
+    const at::Tensor& y, int64_t mode, const c10::optional<at::Tensor>& m,
+    const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
+    int64_t rows, double scale, double floor) {
   TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
                   y.device().is_cpu(),
               "round_band: y must be a 1-D contiguous float64 CPU tensor");
@@ -522,7 +521,9 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
     }
   }
   for (int64_t k = 0; k < vals; ++k) {
-    if (mine(val[k])) rp[val[k] - offset] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
+    if (mine(val[k])) {
+      rp[val[k] - offset] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
+    }
   }
   return true;
 }

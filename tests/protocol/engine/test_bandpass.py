@@ -290,6 +290,15 @@ def test_the_fused_sum_rule_is_the_torch_one(seed, monkeypatch):
                     seen["exact"] += int((e == 0).sum())
                     seen["bounded"] += int((e > 0).sum())
     assert seen["exact"] > 20 and seen["bounded"] > 20, seen
+    # prims.sum, whose empty list of dimensions reduces them all, as aten.sum's does
+    for dims in ((), (1,), (0, 2)):
+        y = torch.ops.prims.sum.default(few_bits, dims)
+        got = []
+        for on in (True, False):
+            monkeypatch.setattr(fused, "ENABLED", on)
+            [bound] = _sum(ctx, torch.ops.prims.sum.default, (few_bits, dims), {}, [y])
+            got.append(bound.dense(y).expand(y.shape))
+        assert torch.equal(got[0].view(torch.int64), got[1].view(torch.int64)), dims
 
 def replay_site(ys, bounds, site, monkeypatch, on: bool, applied: list[bool]):
     """One site replayed with the fused passes on or off: ("ok", the rounded bits of each
@@ -415,3 +424,58 @@ def test_replayed_entries_of_a_site_of_several_results(monkeypatch):
     bad = SiteLog(site.numel, np.array(sorted(entries + [offsets[1] + 3]), dtype=np.int64),
                   np.zeros(len(entries) + 1, dtype=bool))
     assert same_replay(ys, bounds, bad, monkeypatch)[0] == "violation"
+
+
+@needs_fused
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sites_of_many_chunks_give_the_torch_bits_on_any_thread_count(threads, monkeypatch):
+    """Sites larger than the fused passes' unit of parallel work (32 Ki elements), so that the
+    chunks run on torch's threads: the band pass in relative, row and outer modes and the
+    exact-sum rule over rows, columns and all but a run give the torch ops' bits, candidates
+    in order, on 1 and 2 threads."""
+    from protocol.engine.bounds import BoundContext, _sum
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(9)
+        y = hard_values(rng, (300, 700))
+        norms = lambda *s: torch.from_numpy(rng.uniform(0, 4, size=s))  # noqa: E731
+        for bound in (Affine(2.0**-44, 1e-320), Affine(1e-14, 0.0, norms(300, 1)),
+                      Affine(2.0**-40, 1e-322, norms(300), norms(700), norms(700))):
+            (r, cand, e), (r2, cand2, e2) = both_passes(y, bound, monkeypatch)
+            assert cand.numel() > 100
+            assert torch.equal(r.view(torch.int32), r2.view(torch.int32))
+            assert torch.equal(cand, cand2)
+            assert torch.equal(e.view(torch.int64), e2.view(torch.int64))
+        ctx = BoundContext(POLICY)
+        x = torch.from_numpy(np.ldexp(rng.integers(-64, 65, size=(40, 30, 90)).astype(float),
+                                      rng.integers(-30, -20, size=(40, 30, 90))))
+        x[3, 5, 7] = 2.0**20  # the sums that hold it are not exact
+        for dims in ([2], [0], [1], [0, 2], [0, 1]):
+            args = (x, dims, False)
+            out = torch.ops.aten.sum.dim_IntList(*args)
+            got = []
+            for on in (True, False):
+                monkeypatch.setattr(fused, "ENABLED", on)
+                [b] = _sum(ctx, torch.ops.aten.sum.dim_IntList, args, {}, [out])
+                got.append(b.dense(out).expand(out.shape))
+            assert torch.equal(got[0].view(torch.int64), got[1].view(torch.int64)), dims
+            assert bool((got[0] == 0).any()) and bool((got[0] > 0).any()), dims
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_fused
+def test_replayed_entries_beside_empty_results(monkeypatch):
+    """A site whose entries fall in one result beside empty ones (a foreach op over an empty
+    parameter), whatever form the empty results' bounds take: replayed, as by the torch ops."""
+    from protocol.codec.roundinglog import SiteLog
+    y = torch.tensor([1.0 + 2.0**-24 + 2.0**-50], dtype=F64)
+    empties = [(torch.zeros(0, dtype=F64), 1e-10),
+               (torch.zeros(0, dtype=F64), torch.tensor(1e-10, dtype=F64)),
+               (torch.zeros(5, 0, dtype=F64),
+                Affine(1.0, 0.0, torch.ones(5, dtype=F64), torch.ones(0, dtype=F64)))]
+    for empty, bound in empties:
+        site = SiteLog(1, np.array([0], dtype=np.int64), np.array([True]))
+        verdict, applied = same_replay([empty, y], [bound, 1e-10], site, monkeypatch)
+        assert verdict == "ok" and applied == [True, True]
