@@ -136,7 +136,7 @@ def _functional_of(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 @dataclass(frozen=True)
 class _OpPlan:
     """What the interceptor needs to know of an op overload, worked out once per overload and
-    found by its identity (`plan_of`): an `OpOverload` hashes in Python, and the hot path
+    found by its identity (`_plan_of`): an `OpOverload` hashes in Python, and the hot path
     asked each of these facts of it through a cache of its own (issue 13)."""
 
     func: torch._ops.OpOverload  # held, so that its id stays its own
@@ -155,7 +155,9 @@ class _OpPlan:
 _PLANS: dict[int, _OpPlan] = {}
 
 
-def plan_of(func: torch._ops.OpOverload) -> _OpPlan:
+def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
+    """`func`'s plan, made on its first call (overloads live as long as torch's op registry,
+    and each plan holds its own)."""
     plan = _PLANS.get(id(func))
     if plan is None:
         packet = func.overloadpacket.__name__
@@ -198,7 +200,7 @@ class RoundingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        plan = plan_of(func)
+        plan = _plan_of(func)
         kind = plan.kind
         if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
             with self:
@@ -342,7 +344,7 @@ class RoundingMode(TorchDispatchMode):
                 f"{op_name(func)} makes {sorted(map(str, made))} results inside a step; the "
                 f"precision policy {self.policy.name} certifies only its two dtypes (SPEC §3.1)")
         if not made:
-            self._forget_writes(plan_of(func), args, kwargs)
+            self._forget_writes(_plan_of(func), args, kwargs)
             return out
         if rule is None:
             return self._decompose(func, args, kwargs)
@@ -436,7 +438,7 @@ class RoundingMode(TorchDispatchMode):
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
         bounds = [None] * len(ys) if rule is None else \
             bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
-        return self.rounder.round_site(plan_of(func).name, ys, bounds)
+        return self.rounder.round_site(_plan_of(func).name, ys, bounds)
 
     # -- conversions into the target dtype -------------------------------------------------------
 
