@@ -38,11 +38,23 @@ CALL_TIMEOUT_S = 10
 
 class Refusing(Counting):
     """The trainer's Claims, counting calls, that refuses GetCheckpoint for the `refused`
-    steps: a trainer that will not serve the S_c an interval starts from."""
+    steps: a trainer that will not serve the S_c an interval starts from. With `hold_until`,
+    GetLog of step 1 is answered only once GetCheckpoint of that step was asked (or after
+    120 s): the worker on the first interval waits for the other to ask for its S_c, which,
+    started first, it could otherwise replay on from the state it holds, never asking."""
 
-    def __init__(self, stores, refused, log_delay_s: float = 0.0):
+    def __init__(self, stores, refused, log_delay_s: float = 0.0, hold_until: int | None = None):
         super().__init__(stores, log_delay_s)
         self.refused = frozenset(refused)
+        self.hold_until = hold_until
+
+    def GetLog(self, request, context):
+        if request.step == 1 and self.hold_until is not None:
+            deadline = time.monotonic() + 120
+            while self.hold_until not in self.steps("GetCheckpoint") and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().GetLog(request, context)
 
     def GetCheckpoint(self, request, context):
         if request.step in self.refused:
@@ -178,7 +190,7 @@ def test_a_cheater_refusing_its_checkpoints_is_still_challenged(caught, trained,
     """The cheat is at 8, in 6-10: refusing S_5 (and every S_c) to the workers does not turn
     the divergence into a failure; the parent replays on from its own S_5, as a sequential
     audit does, and files the same challenge."""
-    refusing = Refusing(StoreDirectory(cheater_root), range(1, STEPS + 1))
+    refusing = Refusing(StoreDirectory(cheater_root), range(1, STEPS + 1), hold_until=5)
     with serve_claims(refusing) as address:
         record = run_audit(address, trained.spec.job_id, tmp_path, KeyPair.generate(),
                            AUDITOR_PROFILE, processes=2)

@@ -65,6 +65,9 @@ class StoreStates:
     refuse: int | None = None  # refuse S_refuse (PeerError), as a trainer may
     notes: Path | None = None  # note each request here: a file state-<t> or log-<pid>-<t>
     log_delay_s: float = 0.0  # a slow trainer: each log takes this long
+    # log 1 is served only once `notes` holds this note (or after HOLD_S): the worker on the
+    # first interval waits until another has asked for what the test is about
+    hold_first_log_until: str | None = None
 
     def __call__(self, spec):
         return _States(JobStore(self.root, spec), self)
@@ -88,10 +91,19 @@ class _States:
     def log_bytes(self, step):
         self._note(f"log-{os.getpid()}-{step}")
         time.sleep(self.how.log_delay_s)
+        if step == 1 and self.how.hold_first_log_until is not None:
+            assert self.how.notes is not None
+            deadline = time.monotonic() + HOLD_S
+            while not (self.how.notes / self.how.hold_first_log_until).exists() and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
         return self.store.log_bytes(step)
 
     def close(self):
         self.store.close()
+
+
+HOLD_S = 120.0  # how long a held log waits for its note: a worker's start, on a loaded machine
 
 
 def _states_asked(notes: Path) -> list[int]:
@@ -184,10 +196,13 @@ def test_an_interval_whose_trainer_state_is_wrong_or_refused_does_not_start(trai
 @two_cpus
 def test_a_refused_trainer_state_makes_the_parent_go_on_from_its_own(trainer, tmp_path):
     """A trainer refusing S_4 costs the audit its parallelism, not its outcome: the parent
-    replays 5-12 from its own state and signs replay_job's root."""
+    replays 5-12 from its own state and signs replay_job's root. The worker on steps 1-4 waits
+    for the other to ask for S_4 (else, started first, it could replay 5-8 too, from the S_4
+    it holds, and never ask)."""
     notes = tmp_path / "notes"
     notes.mkdir()
-    runner = IntervalRunner(2, StoreStates(trainer.dir.parent, refuse=4, notes=notes), AUDITOR)
+    runner = IntervalRunner(2, StoreStates(trainer.dir.parent, refuse=4, notes=notes,
+                                           hold_first_log_until="state-4"), AUDITOR)
     store = JobStore(tmp_path / "auditor", trainer.spec)
     outcome = replay_in_intervals(store, StoreSource(trainer), KeyPair.generate(), runner)
     assert outcome.matches and store.leaves() == trainer.leaves()
