@@ -96,7 +96,7 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
     bounds (float64) and `flat` there. The last three are None where there is no candidate."""
     if bound is None or not flat.numel():
         return flat.to(policy.target), None, None, None
-    if fused.serves(flat) and (policy.compute, policy.target) == _FUSED_PAIR:
+    if _fused_serves(flat, policy):
         spec = _flat_bound(y, bound)
         r, cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m,
                                                    spec.col, spec.add, spec.inner, spec.rows,
@@ -126,13 +126,18 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
     entry is invalid: the caller's torch ops then apply them, or report the violation."""
     if not flat.numel():
         return True  # (no entry can fall in it)
-    if bound is None or flat.dtype != torch.float64 or not fused.serves(flat) \
-            or (policy.compute, policy.target) != _FUSED_PAIR:
+    if bound is None or not _fused_serves(flat, policy):
         return False
     spec = _flat_bound(y, bound)
     return torch.ops.ovt.apply_entries(flat.contiguous(), r, offset, *entries, spec.mode,
                                        spec.m, spec.col, spec.add, spec.inner, spec.rows,
                                        spec.scale, spec.floor, policy.overflow, float(wide))
+
+
+def _fused_serves(flat: torch.Tensor, policy: PrecisionPolicy) -> bool:
+    """Whether the C++ passes run on a site's values `flat` (module docstring)."""
+    return fused.serves(flat) and flat.dtype == torch.float64 and \
+        (policy.compute, policy.target) == _FUSED_PAIR
 
 
 def bounds_at(flat: torch.Tensor, y: torch.Tensor, bound: Bound, idx: torch.Tensor
