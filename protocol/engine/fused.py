@@ -19,25 +19,26 @@ import importlib
 import os
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
 
 
-def _load() -> str | None:
-    """Load the library; None, or why it cannot be used."""
+def _load() -> tuple[ModuleType | None, str | None]:
+    """Load the library: (it, None), or (None, why it cannot be used)."""
     try:  # loading it registers torch.ops.ovt
         library = importlib.import_module("protocol.engine._fused")
     except (ImportError, OSError, RuntimeError) as exc:  # not built, or not loadable here
-        return str(exc)
+        return None, str(exc)
     if _SOURCE.exists() and getattr(library, "SOURCE", None) != \
             hashlib.sha256(_SOURCE.read_bytes()).hexdigest():
-        return f"the library was built from another version of {_SOURCE.name}"
-    return None
+        return None, f"the library was built from another version of {_SOURCE.name}"
+    return library, None
 
 
-MISSING: str | None = _load()
+_LIBRARY, MISSING = _load()
 if MISSING is not None:
     warnings.warn(f"ovt: the fused passes are not built ({MISSING}); using torch ops instead: "
                   f"the same bits, but record steps are slower. Reinstall with a C++ compiler "
@@ -50,3 +51,13 @@ ENABLED = MISSING is None and os.environ.get("OVT_FUSED") != "0"
 def serves(t: torch.Tensor) -> bool:
     """Whether a fused operator runs on `t`: enabled, and `t` on the CPU."""
     return ENABLED and t.is_cpu
+
+
+def philox(key: tuple[int, int], first_block: int, blocks: int) -> bytearray | None:
+    """The words of blocks first_block .. first_block + blocks - 1 of the Philox stream keyed
+    `key` (two uint32 words; first_block and blocks >= 0, their sum < 2**64), four uint32 words
+    per block in native byte order (`rng.RandomStream.words`), or None where the fused passes
+    are not used (then numpy computes them)."""
+    if not ENABLED or _LIBRARY is None:
+        return None
+    return _LIBRARY.philox(key[0], key[1], first_block, blocks)

@@ -13,7 +13,8 @@
 // - pointwise, an elementwise op whose float64 result is fixed by IEEE-754 (a correctly rounded
 //   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
 //   from float32 inputs and rounded to float32 in one pass, as the torch ops on widened inputs
-//   compute it.
+//   compute it;
+// - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
 // never one fused multiply-add.
@@ -606,6 +607,40 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
   return {e, true};
 }
 
+// Philox4x32-10 (rng.py `philox4x32`, the same operations) into `out`: blocks first_block ..
+// first_block + blocks - 1 of the stream keyed (k0, k1), block i's counter being
+// (i mod 2**32, i >> 32, 0, 0) as `RandomStream.words` lays them out, four words each, in
+// order. Pure 32-bit integer arithmetic: the same words on every machine.
+void philox(uint32_t key0, uint32_t key1, uint64_t first_block, int64_t blocks, uint32_t* out) {
+  constexpr uint64_t kM0 = 0xD2511F53, kM1 = 0xCD9E8D57;
+  constexpr uint32_t kW0 = 0x9E3779B9, kW1 = 0xBB67AE85;
+  at::parallel_for(0, blocks, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint64_t block = first_block + static_cast<uint64_t>(i);
+      uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32);
+      uint32_t c2 = 0, c3 = 0, k0 = key0, k1 = key1;
+      for (int round = 0; round < 10; ++round) {
+        if (round) {
+          k0 += kW0;  // (unsigned: wraps mod 2**32, as `& _MASK32` does)
+          k1 += kW1;
+        }
+        const uint64_t p0 = kM0 * c0, p1 = kM1 * c2;
+        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+        c1 = static_cast<uint32_t>(p1);
+        c3 = static_cast<uint32_t>(p0);
+        c0 = n0;
+        c2 = n2;
+      }
+      uint32_t* w = out + 4 * i;
+      w[0] = c0;
+      w[1] = c1;
+      w[2] = c2;
+      w[3] = c3;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ovt, lib) {
@@ -631,9 +666,32 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("apply_entries", &apply_entries);
 }
 
-// An importable Python module with nothing in it: importing it loads this library, which
-// registers torch.ops.ovt.round_band.
-static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, nullptr};
+// `_fused.philox(key0, key1, first_block, blocks)`: a bytearray of the blocks' words (native
+// byte order; rng.py reads it with numpy). A plain Python function, not a torch operator, so
+// that no dispatch mode of a step (a step's randomness is drawn under one) sees it.
+static PyObject* philox_words(PyObject*, PyObject* args) {
+  unsigned long long key0 = 0, key1 = 0, first_block = 0;
+  long long blocks = 0;
+  if (!PyArg_ParseTuple(args, "KKKL", &key0, &key1, &first_block, &blocks)) return nullptr;
+  if (key0 > 0xFFFFFFFFULL || key1 > 0xFFFFFFFFULL || blocks < 0 ||
+      static_cast<unsigned long long>(blocks) > (PY_SSIZE_T_MAX >> 4)) {
+    PyErr_SetString(PyExc_ValueError, "philox: 32-bit key words and 0 <= blocks < 2**59");
+    return nullptr;
+  }
+  PyObject* out = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(blocks) * 16);
+  if (out == nullptr) return nullptr;
+  philox(static_cast<uint32_t>(key0), static_cast<uint32_t>(key1), first_block, blocks,
+         reinterpret_cast<uint32_t*>(PyByteArray_AS_STRING(out)));
+  return out;
+}
+
+static PyMethodDef fused_methods[] = {
+    {"philox", philox_words, METH_VARARGS, "The words of Philox4x32-10 blocks (rng.py)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+// An importable Python module: importing it loads this library, which registers
+// torch.ops.ovt.*; it holds `philox` and the source's hash.
+static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, fused_methods};
 
 PyMODINIT_FUNC PyInit__fused(void) {
   PyObject* module = PyModule_Create(&fused_module);

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.engine.rng import RandomStream, _mul_high, philox4x32
+from protocol.engine import fused
+from protocol.engine.rng import RandomStream, _mul_high, derive_key, philox4x32
 from protocol.errors import ConfigError
 
 # Random123 kat_vectors, philox4x32_10: (counter, key, expected output).
@@ -30,6 +31,49 @@ def test_philox_rows_are_independent_blocks():
     out = philox4x32(counters, PHILOX_KAT[2][1])
     assert tuple(int(w) for w in out[2]) == PHILOX_KAT[2][2]
     assert np.array_equal(out[0], philox4x32(counters[:1], PHILOX_KAT[2][1])[0])
+
+
+def _stream_counters(first_block: int, blocks: int) -> np.ndarray:
+    """Blocks first_block .. of a stream as `RandomStream.words` lays out their counters."""
+    index = np.arange(blocks, dtype=np.uint64) + np.uint64(first_block)
+    counters = np.zeros((blocks, 4), dtype=np.uint32)
+    counters[:, 0] = index & np.uint64(0xFFFFFFFF)
+    counters[:, 1] = index >> np.uint64(32)
+    return counters
+
+
+@pytest.mark.skipif(fused.MISSING is not None, reason="the fused passes are not built")
+@pytest.mark.parametrize(("first_block", "blocks"), [
+    (0, 0), (0, 1), (0, 3), (0, 5000), (7, 20_011),  # more than one unit of parallel work
+    (2**32 - 3, 7),  # the counter's high word turns over
+    (2**64 - 9, 9),  # the last blocks of the counter space
+])
+def test_the_fused_pass_gives_numpys_words(first_block, blocks):
+    """`fused.philox` against `philox4x32` (which the known answers pin), on 1 and 2 threads,
+    over keys with every bit pattern kind: zero, all ones, and derived ones."""
+    before = torch.get_num_threads()
+    counters = _stream_counters(first_block, blocks)
+    try:
+        for key in [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), PHILOX_KAT[2][1], derive_key(3, "x", 9)]:
+            expected = philox4x32(counters, key).reshape(-1)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                words = fused.philox(key, first_block, blocks)
+                assert words is not None
+                assert np.array_equal(np.frombuffer(words, dtype=np.uint32), expected)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_words_are_the_same_on_both_paths(monkeypatch):
+    """`RandomStream.words` through the fused pass where it is built, and through numpy: the same
+    words, for lengths that are and are not whole blocks."""
+    stream = RandomStream(5, "dropout", 2, 1)
+    served = [stream.words(n) for n in (0, 1, 4, 5, 4099)]
+    monkeypatch.setattr(fused, "ENABLED", False)
+    for words in served:
+        assert np.array_equal(words, stream.words(words.size))
+        assert words.dtype == np.uint32
 
 
 def test_golden_first_words():
