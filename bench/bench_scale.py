@@ -88,21 +88,35 @@ class OldBandCounter:
         self.general = self.any_op = 0
         self.seconds = 0.0
 
+    rounds_in_parts = True  # (the recorder it wraps does; `round_site_in_parts`)
+
     def round_site(self, op, ys, *rest):
-        start = time.perf_counter()
         bounds = rest[0] if rest and isinstance(rest[0], (list, tuple)) else [None] * len(ys)
         for y, bound in zip(ys, bounds, strict=False):
-            idx = band_indices(y.detach().reshape(-1), self.policy, self.tau)
-            self.any_op += idx.numel()
-            bound = dense_bound(bound, y)
-            if isinstance(bound, torch.Tensor):
-                coords = torch.unravel_index(idx, tuple(y.shape))
-                b = bound.to(y.device).expand(y.shape)[coords]
-                self.general += int((b > 0).sum())
-            elif bound is not None and float(bound) > 0:
-                self.general += idx.numel()
-        self.seconds += time.perf_counter() - start
+            self._count(y, bound)
         return self.inner.round_site(op, ys, *rest)
+
+    def round_site_in_parts(self, op, numel, parts):
+        """A large elementwise site in parts (`RoundingMode._in_parts`): each counted as it
+        passes to the recorder."""
+        def counted():
+            for y, bound, out in parts:
+                self._count(y, bound)
+                yield y, bound, out
+        self.inner.round_site_in_parts(op, numel, counted())
+
+    def _count(self, y: torch.Tensor, bound) -> None:
+        start = time.perf_counter()
+        idx = band_indices(y.detach().reshape(-1), self.policy, self.tau)
+        self.any_op += idx.numel()
+        bound = dense_bound(bound, y)
+        if isinstance(bound, torch.Tensor):
+            coords = torch.unravel_index(idx, tuple(y.shape))
+            b = bound.to(y.device).expand(y.shape)[coords]
+            self.general += int((b > 0).sum())
+        elif bound is not None and float(bound) > 0:
+            self.general += idx.numel()
+        self.seconds += time.perf_counter() - start
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

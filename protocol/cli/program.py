@@ -71,6 +71,10 @@ class _TallyingRecorder(SiteRecorder):
         self.ops.append(op)
         return out
 
+    def round_site_in_parts(self, op, numel, parts) -> None:
+        super().round_site_in_parts(op, numel, parts)
+        self.ops.append(op)
+
     def claim_exact_site(self, op: str, numel: int) -> bool:
         self.ops.append(op)
         return super().claim_exact_site(op, numel)

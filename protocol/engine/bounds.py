@@ -105,11 +105,16 @@ RuleFn = Callable[["BoundContext", torch._ops.OpOverload, tuple, dict, list[torc
 @dataclass(frozen=True)
 class Rule:
     """A bound rule. `reads_inputs`: it needs the op's inputs as they were before the op ran
-    (so an in-place op's written arguments are copied first); rules on `y` alone do not."""
+    (so an in-place op's written arguments are copied first); rules on `y` alone do not.
+    `elementwise`: its ops compute each result element from the same element of their
+    operands (where these have the result's shape) and its bound at an element reads nothing
+    else, so that a result may be computed and rounded in parts (the relative and zero rules;
+    `RoundingMode`'s parts path)."""
 
     name: str
     fn: RuleFn
     reads_inputs: bool = True
+    elementwise: bool = False
 
 
 class BoundContext:
@@ -635,13 +640,13 @@ def _table() -> dict[str, Rule]:
                 table[variant] = rule
                 if foreach:
                     table["_foreach_" + variant] = Rule(rule.name, _foreach(rule.fn),
-                                                        rule.reads_inputs)
+                                                        rule.reads_inputs, rule.elementwise)
 
-    add(["mul"], Rule("zero", _zero, reads_inputs=False), foreach=True)
+    add(["mul"], Rule("zero", _zero, reads_inputs=False, elementwise=True), foreach=True)
     add(["add", "sub", "rsub"], Rule("axpy", _axpy), foreach=True)
     for name, ulps in _MAX_ULPS.items():
         add([name], Rule(f"relative({ulps} ulp)", _relative(ulps, _FLOOR_NORMALS.get(name, 0.0)),
-                         reads_inputs=False), foreach=True)
+                         reads_inputs=False, elementwise=True), foreach=True)
     add(["lerp"], Rule("lerp", _lerp), foreach=True)  # tensor weights; else FIXED_FORMULA
     add(["sum"], Rule("sum", _sum))
     add(["mean"], Rule("mean", _linear(_mean_count)))

@@ -47,6 +47,11 @@ from protocol.errors import DeterminismError
 
 Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
 
+# Large elementwise sites are computed and rounded in parts (`RoundingMode._in_parts`): from
+# PARTS_FROM elements, PART at a time (1 MiB of float64, which stays in the cache).
+PARTS_FROM = 1 << 21
+PART = 1 << 17
+
 
 def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     return func(*args, **kwargs)
@@ -235,6 +240,10 @@ class RoundingMode(TorchDispatchMode):
         rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
+        if rule is not None and rule.elementwise and not fixed and not kwargs:
+            done = self._in_parts(plan, func, args, rule)
+            if done is not None:
+                return done[0]
         positions, names = plan.positions, plan.names
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         found = [False, False]  # target-dtype inputs, compute-dtype inputs
@@ -300,6 +309,80 @@ class RoundingMode(TorchDispatchMode):
                 self._widened.forget(e.a)
             return (None if foreach else args[0],)
         return (results if foreach else results[0],)
+
+    def _in_parts(self, plan: _OpPlan, func, args: tuple, rule: Rule) -> tuple[Any] | None:
+        """Compute and round a large elementwise op (`Rule.elementwise`) in parts of `PART`
+        elements, each widened, computed and rounded while it is in the cache: one site all the
+        same, its values the parts' concatenation (`SiteRecorder.round_site_in_parts`), with no
+        compute-dtype copy of a whole operand or result. At GPT-2 width the optimizer's square
+        roots are 91 M elements, whose fresh float64 buffers cost more in page faults than the
+        arithmetic. `(result,)`, or None where this does not apply: a rounder that does not
+        round in parts (`rounds_in_parts`, looked up on its class, so that a wrapper forwarding
+        attributes to another rounder does not pass it by), an out= form, an operand that is
+        not a contiguous target-dtype CPU tensor of its result's shape, an in-place op with
+        tensor operands besides the one it writes, or fewer than `PARTS_FROM` elements. (On
+        CUDA the whole-tensor path runs: its allocator keeps its memory.)"""
+        if not getattr(type(self.rounder), "rounds_in_parts", False) or \
+                plan.func._overloadname.endswith("out") or \
+                (plan.positions and not (plan.in_place and plan.positions == {0})):
+            return None
+        foreach = plan.foreach
+        if foreach:  # one call per list element, each on one-element lists
+            if not isinstance(args[0], (list, tuple)) or not args[0]:
+                return None
+            calls = [tuple([a[i]] if isinstance(a, (list, tuple)) else a for a in args)
+                     for i in range(len(args[0]))]
+        else:
+            calls = [args]
+        leads = []
+        for call in calls:
+            tensors = [t for a in call for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            if not tensors or not isinstance(call[0], (torch.Tensor, list, tuple)):
+                return None
+            lead = tensors[0]
+            if not all(t.dtype == self.policy.target and t.is_cpu and t.is_contiguous()
+                       and t.shape == lead.shape for t in tensors):
+                return None
+            if plan.in_place and len(tensors) > 1:
+                return None
+            leads.append(lead)
+        total = sum(t.numel() for t in leads)
+        if total < PARTS_FROM:
+            return None
+        outs = leads if plan.in_place else [torch.empty_like(t) for t in leads]
+        needed = self._bounds_needed()
+
+        def parts():
+            for call, out in zip(calls, outs, strict=True):
+                dest = out.view(-1)
+                for start in range(0, out.numel(), PART):
+                    piece = tuple(self._part(a, start, start + PART) for a in call)
+                    result: Any = self.compute(func, piece, {})
+                    if plan.in_place:  # the op wrote its (widened) first operand
+                        result = piece[0]
+                    y = result[0] if foreach else result
+                    b = bounds_for(self._bounds, rule, func, piece, {}, [y])[0] if needed \
+                        else None
+                    yield y, b, dest[start:start + PART]
+
+        self.rounder.round_site_in_parts(plan.name, total, parts())
+        if plan.in_place:
+            for t in leads:
+                self._widened.forget(t)
+            return (None if foreach else args[0],)
+        return (outs if foreach else outs[0],)
+
+    def _part(self, value, start: int, stop: int):
+        """The compute-dtype form of one argument's elements [start, stop) (`_in_parts`):
+        a tensor's, flat; a Python float rounded to the target dtype, as `_widen` does."""
+        if isinstance(value, torch.Tensor):
+            return value.view(-1)[start:stop].to(self.policy.compute)
+        if isinstance(value, float):
+            return self._round_scalar(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._part(v, start, stop) for v in value)
+        return value
 
     def _requested_dtype(self, func, kwargs) -> torch.dtype | None:
         """The floating `dtype=` an op was asked for, if any; refuse one the policy does not

@@ -19,6 +19,8 @@ dtype's own error spans target ULPs — log the value itself. They are rare.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -56,6 +58,24 @@ def _from_bits(bits: np.ndarray, policy: PrecisionPolicy) -> torch.Tensor:
     return torch.from_numpy(signed).to(policy.fmt["target_int"]).view(policy.target)
 
 
+# One part of a site rounded in parts: its values, their bound, where their rounding goes.
+Part = tuple[torch.Tensor, Bound, torch.Tensor]
+
+
+# A tensor's band candidates, as the recorder notes them: (site, site positions, y, e) there.
+_Candidates = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _entry_tensors(site: SiteLog) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """A site's entries as `bandpass.apply_entries` reads them: direction indices, directions,
+    value indices, value bits."""
+    return (torch.from_numpy(site.indices.astype(np.int64)),
+            torch.from_numpy(site.up.astype(bool)),
+            torch.from_numpy(site.value_indices.astype(np.int64)),
+            torch.from_numpy(site.values.astype(np.int64)))
+
+
 def site_values(ys: list[torch.Tensor]) -> torch.Tensor:
     """All of a site's values as one 1-D tensor in site order (a view for one contiguous y):
     site indices are positions in it (the divergence probe compares sites this way)."""
@@ -82,11 +102,15 @@ class SiteRecorder:
     look in one batch (`sites`, `log`), not in a dozen small tensor ops per site.
     """
 
+    # `round_site_in_parts` rounds what `round_site` does; a subclass that overrides
+    # `round_site` to see every site's values (a probe) sets this False, so that `RoundingMode`
+    # gives it every site whole
+    rounds_in_parts = True
+
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
         self._numels: list[int] = []  # per site rounded so far
-        # per tensor with candidates: (site, site positions, y, e) at the candidates
-        self._candidates: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._candidates: list[_Candidates] = []
         self._sites: list[SiteLog] = []  # the first sites, decided
         self._part_ends: list[int] = []  # the site count at each micro-batch's end
 
@@ -97,17 +121,39 @@ class SiteRecorder:
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
-        out, found, offset, site = [], [], 0, len(self._numels)
+        out, offset, site = [], 0, len(self._numels)
+        found: list[_Candidates] = []
         for y, b in zip(ys, bounds, strict=True):
-            flat = y.reshape(-1)
-            r, cand, ev, yv = round_band(flat, y, b, self.policy)
-            if cand is not None and ev is not None and yv is not None:
-                found.append((site, cand + offset if offset else cand, yv, ev))
-            out.append(_shaped(r, y))
+            out.append(_shaped(self._round_part(site, offset, y, b, found), y))
             offset += y.numel()
         self._candidates.extend(found)  # (only once the whole site has been rounded)
         self._numels.append(offset)
         return out
+
+    def round_site_in_parts(self, op: str, numel: int, parts: Iterable[Part]) -> None:
+        """Round one site of `numel` elements given as consecutive parts, each `(y, bound,
+        out)`: 1-D compute-dtype values, their bound, and the 1-D target-dtype view `out` their
+        rounding is written to. The same log as `round_site` on the whole (its values are the
+        parts' concatenation, in order), with one part's values held at a time (`parts` may
+        compute each when asked: `RoundingMode`'s parts path)."""
+        offset, site = 0, len(self._numels)
+        found: list[_Candidates] = []
+        for y, b, out in parts:
+            out.copy_(self._round_part(site, offset, y, b, found))
+            offset += y.numel()
+        assert offset == numel, f"{op}: parts of {offset} elements for a site of {numel}"
+        self._candidates.extend(found)
+        self._numels.append(offset)
+
+    def _round_part(self, site: int, offset: int, y: torch.Tensor, b: Bound,
+                    found: list[_Candidates]) -> torch.Tensor:
+        """`y` (the site's elements from `offset`) rounded to nearest-even, flat; its band
+        candidates noted in `found`."""
+        flat = y.reshape(-1)
+        r, cand, ev, yv = round_band(flat, y, b, self.policy)
+        if cand is not None and ev is not None and yv is not None:
+            found.append((site, cand + offset if offset else cand, yv, ev))
+        return r
 
     def claim_exact_site(self, op: str, numel: int) -> bool:
         """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
@@ -175,6 +221,8 @@ class SiteReplayer:
     its first site, so that errors name the step's site and micro-batch.
     """
 
+    rounds_in_parts = True  # (as `SiteRecorder.rounds_in_parts`)
+
     def __init__(self, policy: PrecisionPolicy, log: RoundingLog, step: int | None = None,
                  first_site: int = 0, first_part: int = 0) -> None:
         self.policy, self.log, self.step = policy, log, step
@@ -207,23 +255,40 @@ class SiteReplayer:
 
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
-        site = self._next_site(op, ys)
+        site = self._next_site(op, sum(y.numel() for y in ys))
         if not (site.indices.size or site.value_indices.size):
             return [y.to(self.policy.target) for y in ys]  # (to() keeps a dense layout)
-        out, offset = [], 0
-        entries = (torch.from_numpy(site.indices.astype(np.int64)),
-                   torch.from_numpy(site.up.astype(bool)),
-                   torch.from_numpy(site.value_indices.astype(np.int64)),
-                   torch.from_numpy(site.values.astype(np.int64)))
+        out, offset, entries = [], 0, _entry_tensors(site)
         for y, b in zip(ys, bounds, strict=True):
-            flat = y.reshape(-1)
-            r = flat.to(self.policy.target)
-            if not apply_entries(flat, y, b, r, offset, entries, self.policy, WIDE):
-                self._apply_directions(op, flat, r, site, y, b, offset)
-                self._apply_values(op, flat, r, site, y, b, offset)
-            out.append(_shaped(r, y))
+            out.append(_shaped(self._replay_part(op, site, entries, offset, y, b), y))
             offset += y.numel()
         return out
+
+    def round_site_in_parts(self, op: str, numel: int, parts: Iterable[Part]) -> None:
+        """Replay one site given in parts (`SiteRecorder.round_site_in_parts`): the same checks
+        and results as `round_site` on the whole."""
+        site = self._next_site(op, numel)
+        entries = _entry_tensors(site) if site.indices.size or site.value_indices.size else None
+        offset = 0
+        for y, b, out in parts:
+            if entries is None:
+                out.copy_(y)  # (a cast into the target dtype: nearest-even, as `to`)
+            else:
+                out.copy_(self._replay_part(op, site, entries, offset, y, b))
+            offset += y.numel()
+        assert offset == numel, f"{op}: parts of {offset} elements for a site of {numel}"
+
+    def _replay_part(self, op: str, site: SiteLog,
+                     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     offset: int, y: torch.Tensor, b: Bound) -> torch.Tensor:
+        """`y` (the site's elements from `offset`) rounded, flat, with the site's entries that
+        fall in it checked and applied (raises LogViolationError for an invalid one)."""
+        flat = y.reshape(-1)
+        r = flat.to(self.policy.target)
+        if not apply_entries(flat, y, b, r, offset, entries, self.policy, WIDE):
+            self._apply_directions(op, flat, r, site, y, b, offset)
+            self._apply_values(op, flat, r, site, y, b, offset)
+        return r
 
     def claim_exact_site(self, op: str, numel: int) -> bool:
         """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
@@ -262,8 +327,7 @@ class SiteReplayer:
                 f"{self._where()}rounding log has {len(self.log.sites)} sites but the replayed "
                 f"step executed {self.position}: the log is padded or belongs to another step")
 
-    def _next_site(self, op: str, ys: list[torch.Tensor]) -> SiteLog:
-        numel = sum(y.numel() for y in ys)
+    def _next_site(self, op: str, numel: int) -> SiteLog:
         if self._parts_done < len(self.log.parts) and self.position >= self._part_end():
             raise LogMismatchError(
                 f"{self._where()}micro-batch {self.first_part + self._parts_done} reached site "
