@@ -43,7 +43,15 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from protocol.engine.bounds import SAFETY, BoundContext, bounds_for, dense_bound, rule_of
+from protocol.engine.bounds import (
+    _NORMS_BLOCKED,
+    SAFETY,
+    BoundContext,
+    _norms,
+    bounds_for,
+    dense_bound,
+    rule_of,
+)
 from protocol.engine.precision import PrecisionPolicy, target_ulp
 from protocol.engine.splitk import SplitK
 from tests.protocol.engine.exact_sums import (
@@ -1231,3 +1239,30 @@ def test_index_put_accumulate_counts_broadcast_positions():
     e = dense_bound(bound, y)
     exact = 1 + 65536 * Fraction(value)
     assert abs(Fraction(float(y[0])) - exact) <= Fraction(float(e[0])) / 2
+
+
+@pytest.mark.parametrize(("shape", "dim", "transpose"), [
+    ((3001, 800), 0, False),  # a matrix's columns: 2.4 M elements, blocked
+    ((800, 3001), 1, True),  # a transposed view's rows
+    ((3, 1200, 700), 1, False),  # batched (bmm's operands)
+])
+def test_blocked_norms_are_the_norms(shape, dim, transpose):
+    """Norms along a strided dimension of a large tensor, summed a block at a time
+    (`bounds._norms`): within a K-term sum's rounding of the exact norms (Fractions, on a
+    sample of the columns), as the squares summed at once are; so the Cauchy–Schwarz bounds
+    built on them keep SAFETY's margin. Values of many magnitudes, zeros among them."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape,
+                                                                     generator=g))).double()
+    x[..., ::7] = 0.0
+    if transpose:
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    assert x.stride(dim) != 1 and x.numel() >= _NORMS_BLOCKED
+    blocked = _norms(x, dim)
+    whole = (x * x).sum(dim).sqrt()
+    assert blocked.shape == whole.shape
+    moved = x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    for row in range(0, moved.shape[0], max(1, moved.shape[0] // 12)):
+        exact = math.sqrt(sum(Fraction(v) ** 2 for v in moved[row].tolist()))
+        got = float(blocked.reshape(-1)[row])
+        assert abs(got - exact) <= x.shape[dim] * 2.0**-53 * exact  # (γ_K / 2, and a sqrt)
