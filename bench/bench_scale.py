@@ -96,14 +96,14 @@ class OldBandCounter:
             self._count(y, bound)
         return self.inner.round_site(op, ys, *rest)
 
-    def round_site_in_parts(self, op, numel, parts):
-        """A large elementwise site in parts (`RoundingMode._in_parts`): each counted as it
-        passes to the recorder."""
-        def counted():
+    def round_site_in_parts(self, op, numel, results):
+        """A large elementwise site in parts (`RoundingMode._in_parts`): each part counted as
+        it passes to the recorder."""
+        def counted(parts):
             for y, bound, out in parts:
                 self._count(y, bound)
                 yield y, bound, out
-        self.inner.round_site_in_parts(op, numel, counted())
+        self.inner.round_site_in_parts(op, numel, (counted(parts) for parts in results))
 
     def _count(self, y: torch.Tensor, bound) -> None:
         start = time.perf_counter()

@@ -71,8 +71,8 @@ class _TallyingRecorder(SiteRecorder):
         self.ops.append(op)
         return out
 
-    def round_site_in_parts(self, op, numel, parts) -> None:
-        super().round_site_in_parts(op, numel, parts)
+    def round_site_in_parts(self, op, numel, results) -> None:
+        super().round_site_in_parts(op, numel, results)
         self.ops.append(op)
 
     def claim_exact_site(self, op: str, numel: int) -> bool:

@@ -185,13 +185,13 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
     cannot. Along a dimension adjacent in memory `vector_norm`; along any other (a transposed
     view's rows, a matrix's columns), where `vector_norm` is several times slower on the CPU,
-    the squares summed — from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time,
-    the block sums added up, so that the squares stay in the cache (GPT-2's 50257 × 768
-    embedding: 4× faster). Any order of the sum is within the reduction rule's own error, which
-    `SAFETY` covers."""
+    the squares summed — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK`
+    at a time, the block sums added up, so that the squares stay in the cache (GPT-2's
+    50257 × 768 embedding: 4× faster). Any order of the sum is within the reduction rule's own
+    error, which `SAFETY` covers."""
     if x.stride(dim) == 1 or x.shape[dim] == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
-    if x.numel() < _NORMS_BLOCKED:
+    if x.numel() < _NORMS_BLOCKED or not x.is_cpu:  # (on CUDA: one kernel, not hundreds)
         wide = x.to(torch.float64)
         return (wide * wide).sum(dim).sqrt()
     length = x.shape[dim]

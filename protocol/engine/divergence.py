@@ -43,8 +43,6 @@ class CapturingRecorder(SiteRecorder):
         self._probe_sites: list[tuple[int, int]] = []
         self._offset = 0
 
-    rounds_in_parts = False  # (the same: every site whole through `round_site`)
-
     def claim_exact_site(self, op: str, numel: int) -> bool:
         return False  # every site's values go to the probe, so every site is widened
 
@@ -103,8 +101,6 @@ class ComparingReplayer(SiteReplayer):
 
     def bounds_needed(self) -> bool:
         return True  # every site's divergence is measured against its bounds
-
-    rounds_in_parts = False  # (the same)
 
     def claim_exact_site(self, op: str, numel: int) -> bool:
         return False  # (the same: every site's values are compared)

@@ -55,9 +55,13 @@ def serves(t: torch.Tensor) -> bool:
 
 def philox(key: tuple[int, int], first_block: int, blocks: int) -> bytearray | None:
     """The words of blocks first_block .. first_block + blocks - 1 of the Philox stream keyed
-    `key` (two uint32 words; first_block and blocks >= 0, their sum < 2**64), four uint32 words
-    per block in native byte order (`rng.RandomStream.words`), or None where the fused passes
-    are not used (then numpy computes them)."""
+    `key`, four uint32 words per block in native byte order (`rng.RandomStream.words`), or None
+    where the fused passes are not used (then numpy computes them). Raises ValueError unless
+    the key words are uint32 and 0 <= first_block, 0 <= blocks, first_block + blocks <= 2**64
+    (the C++ function reads them as unsigned 64-bit integers, which would wrap)."""
     if not ENABLED or _LIBRARY is None:
         return None
+    if not (all(0 <= k < 2**32 for k in key) and 0 <= first_block and 0 <= blocks
+            and first_block + blocks <= 2**64):
+        raise ValueError(f"philox: bad key {key} or blocks [{first_block}, +{blocks})")
     return _LIBRARY.philox(key[0], key[1], first_block, blocks)

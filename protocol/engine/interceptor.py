@@ -311,19 +311,20 @@ class RoundingMode(TorchDispatchMode):
         return (results if foreach else results[0],)
 
     def _in_parts(self, plan: _OpPlan, func, args: tuple, rule: Rule) -> tuple[Any] | None:
-        """Compute and round a large elementwise op (`Rule.elementwise`) in parts of `PART`
-        elements, each widened, computed and rounded while it is in the cache: one site all the
-        same, its values the parts' concatenation (`SiteRecorder.round_site_in_parts`), with no
-        compute-dtype copy of a whole operand or result. At GPT-2 width the optimizer's square
-        roots are 91 M elements, whose fresh float64 buffers cost more in page faults than the
-        arithmetic. `(result,)`, or None where this does not apply: a rounder that does not
-        round in parts (`rounds_in_parts`, looked up on its class, so that a wrapper forwarding
-        attributes to another rounder does not pass it by), an out= form, an operand that is
-        not a contiguous target-dtype CPU tensor of its result's shape, an in-place op with
-        tensor operands besides the one it writes, or fewer than `PARTS_FROM` elements. (On
-        CUDA the whole-tensor path runs: its allocator keeps its memory.)"""
+        """Compute and round a large elementwise op (`Rule.elementwise`, called without keyword
+        arguments) in parts of `PART` elements, each widened, computed and rounded while it is
+        in the cache: one site all the same, its values the parts' concatenation
+        (`SiteRecorder.round_site_in_parts`), with no compute-dtype copy of a whole operand or
+        result. At GPT-2 width the optimizer's square roots are 91 M elements, whose fresh
+        float64 buffers cost more in page faults than the arithmetic. `(result,)`, or None
+        where this does not apply: a rounder that does not round in parts (`rounds_in_parts`,
+        looked up on its class, so that a wrapper forwarding attributes to another rounder does
+        not pass it by), an operand that is not a contiguous target-dtype CPU tensor of its
+        result's shape, a scalar that is not a real number, an in-place op with tensor operands
+        besides the one it writes or whose written tensors share memory (each part is written
+        before the next is read), or fewer than `PARTS_FROM` elements. (On CUDA the
+        whole-tensor path runs: its allocator keeps its memory.)"""
         if not getattr(type(self.rounder), "rounds_in_parts", False) or \
-                plan.func._overloadname.endswith("out") or \
                 (plan.positions and not (plan.in_place and plan.positions == {0})):
             return None
         foreach = plan.foreach
@@ -336,9 +337,10 @@ class RoundingMode(TorchDispatchMode):
             calls = [args]
         leads = []
         for call in calls:
-            tensors = [t for a in call for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            if not tensors or not isinstance(call[0], (torch.Tensor, list, tuple)):
+            leaves = [v for a in call for v in (a if isinstance(a, (list, tuple)) else [a])]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+            if not tensors or not isinstance(call[0], (torch.Tensor, list, tuple)) or \
+                    not all(isinstance(v, (torch.Tensor, bool, int, float)) for v in leaves):
                 return None
             lead = tensors[0]
             if not all(t.dtype == self.policy.target and t.is_cpu and t.is_contiguous()
@@ -347,26 +349,27 @@ class RoundingMode(TorchDispatchMode):
             if plan.in_place and len(tensors) > 1:
                 return None
             leads.append(lead)
+        if plan.in_place and len({_storage_key(t) for t in leads}) < len(leads):
+            return None
         total = sum(t.numel() for t in leads)
         if total < PARTS_FROM:
             return None
         outs = leads if plan.in_place else [torch.empty_like(t) for t in leads]
         needed = self._bounds_needed()
 
-        def parts():
-            for call, out in zip(calls, outs, strict=True):
-                dest = out.view(-1)
-                for start in range(0, out.numel(), PART):
-                    piece = tuple(self._part(a, start, start + PART) for a in call)
-                    result: Any = self.compute(func, piece, {})
-                    if plan.in_place:  # the op wrote its (widened) first operand
-                        result = piece[0]
-                    y = result[0] if foreach else result
-                    b = bounds_for(self._bounds, rule, func, piece, {}, [y])[0] if needed \
-                        else None
-                    yield y, b, dest[start:start + PART]
+        def parts(call: tuple, out: torch.Tensor):
+            dest = out.view(-1)
+            for start in range(0, out.numel(), PART):
+                piece = tuple(self._part(a, start, start + PART) for a in call)
+                result: Any = self.compute(func, piece, {})
+                if plan.in_place:  # the op wrote its (widened) first operand
+                    result = piece[0]
+                y = result[0] if foreach else result
+                b = bounds_for(self._bounds, rule, func, piece, {}, [y])[0] if needed else None
+                yield y, b, dest[start:start + PART]
 
-        self.rounder.round_site_in_parts(plan.name, total, parts())
+        self.rounder.round_site_in_parts(
+            plan.name, total, (parts(call, out) for call, out in zip(calls, outs, strict=True)))
         if plan.in_place:
             for t in leads:
                 self._widened.forget(t)

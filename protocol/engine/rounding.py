@@ -62,6 +62,10 @@ def _from_bits(bits: np.ndarray, policy: PrecisionPolicy) -> torch.Tensor:
 Part = tuple[torch.Tensor, Bound, torch.Tensor]
 
 
+def _increasing(indices: np.ndarray) -> bool:
+    return indices.size < 2 or bool((indices[1:] > indices[:-1]).all())
+
+
 # A tensor's band candidates, as the recorder notes them: (site, site positions, y, e) there.
 _Candidates = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -74,6 +78,16 @@ def _entry_tensors(site: SiteLog) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             torch.from_numpy(site.up.astype(bool)),
             torch.from_numpy(site.value_indices.astype(np.int64)),
             torch.from_numpy(site.values.astype(np.int64)))
+
+
+def _entries_in(site: SiteLog, start: int, stop: int) -> SiteLog:
+    """The entries of `site` at positions [start, stop), as a SiteLog of the same numel: two
+    binary searches, the indices being strictly increasing (`SiteReplayer._next_site` checks
+    it)."""
+    a, b = np.searchsorted(site.indices, [start, stop])
+    c, d = np.searchsorted(site.value_indices, [start, stop])
+    return SiteLog(site.numel, site.indices[a:b], site.up[a:b], site.value_indices[c:d],
+                   site.values[c:d])
 
 
 def site_values(ys: list[torch.Tensor]) -> torch.Tensor:
@@ -92,7 +106,22 @@ def _shaped(r_flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return part
 
 
-class SiteRecorder:
+class _RoundsInParts:
+    """`rounds_in_parts`: whether `RoundingMode` may hand a rounder its large elementwise sites
+    in parts (`round_site_in_parts`) instead of whole to `round_site`. A subclass that
+    overrides `round_site` (to see every site's values, as a probe does) but neither
+    `round_site_in_parts` nor this flag would miss those sites: it gets False."""
+
+    rounds_in_parts = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "round_site" in vars(cls) and \
+                not {"round_site_in_parts", "rounds_in_parts"} & vars(cls).keys():
+            cls.rounds_in_parts = False
+
+
+class SiteRecorder(_RoundsInParts):
     """Record mode: round every site to nearest-even and log the in-band decisions.
 
     Each of a site's tensors gets its own band pass (`bandpass.round_band`), with no copy of
@@ -101,11 +130,6 @@ class SiteRecorder:
     does not change what the step computes, so it is decided for all the sites since the last
     look in one batch (`sites`, `log`), not in a dozen small tensor ops per site.
     """
-
-    # `round_site_in_parts` rounds what `round_site` does; a subclass that overrides
-    # `round_site` to see every site's values (a probe) sets this False, so that `RoundingMode`
-    # gives it every site whole
-    rounds_in_parts = True
 
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
@@ -130,17 +154,19 @@ class SiteRecorder:
         self._numels.append(offset)
         return out
 
-    def round_site_in_parts(self, op: str, numel: int, parts: Iterable[Part]) -> None:
-        """Round one site of `numel` elements given as consecutive parts, each `(y, bound,
-        out)`: 1-D compute-dtype values, their bound, and the 1-D target-dtype view `out` their
-        rounding is written to. The same log as `round_site` on the whole (its values are the
-        parts' concatenation, in order), with one part's values held at a time (`parts` may
-        compute each when asked: `RoundingMode`'s parts path)."""
+    def round_site_in_parts(self, op: str, numel: int,
+                            results: Iterable[Iterable[Part]]) -> None:
+        """Round one site of `numel` elements given result by result, each as consecutive
+        parts `(y, bound, out)`: 1-D compute-dtype values, their bound, and the 1-D
+        target-dtype view `out` their rounding is written to. The same log as `round_site` on
+        the whole (the site's values are the parts' concatenation, in order), with one part's
+        values held at a time (each may be computed when asked: `RoundingMode`'s parts path)."""
         offset, site = 0, len(self._numels)
         found: list[_Candidates] = []
-        for y, b, out in parts:
-            out.copy_(self._round_part(site, offset, y, b, found))
-            offset += y.numel()
+        for parts in results:
+            for y, b, out in parts:
+                out.copy_(self._round_part(site, offset, y, b, found))
+                offset += y.numel()
         assert offset == numel, f"{op}: parts of {offset} elements for a site of {numel}"
         self._candidates.extend(found)
         self._numels.append(offset)
@@ -209,7 +235,7 @@ class SiteRecorder:
                                SiteLog(self._numels[k], _EMPTY_INDEX, _EMPTY_UP))
 
 
-class SiteReplayer:
+class SiteReplayer(_RoundsInParts):
     """Replay mode: round to nearest-even except where the log says otherwise (SPEC §3.2).
 
     Checks, per site, that the log has a site here with the same element count (SPEC §3.3),
@@ -220,8 +246,6 @@ class SiteReplayer:
     (a worker replaying micro-batch `first_part` alone), `first_site` is the step's number of
     its first site, so that errors name the step's site and micro-batch.
     """
-
-    rounds_in_parts = True  # (as `SiteRecorder.rounds_in_parts`)
 
     def __init__(self, policy: PrecisionPolicy, log: RoundingLog, step: int | None = None,
                  first_site: int = 0, first_part: int = 0) -> None:
@@ -258,37 +282,61 @@ class SiteReplayer:
         site = self._next_site(op, sum(y.numel() for y in ys))
         if not (site.indices.size or site.value_indices.size):
             return [y.to(self.policy.target) for y in ys]  # (to() keeps a dense layout)
-        out, offset, entries = [], 0, _entry_tensors(site)
+        out, offset = [], 0
         for y, b in zip(ys, bounds, strict=True):
-            out.append(_shaped(self._replay_part(op, site, entries, offset, y, b), y))
+            r, bad_value = self._replay_part(op, site, offset, y, b, check_values=True)
+            if bad_value is not None:
+                raise bad_value
+            out.append(_shaped(r, y))
             offset += y.numel()
         return out
 
-    def round_site_in_parts(self, op: str, numel: int, parts: Iterable[Part]) -> None:
-        """Replay one site given in parts (`SiteRecorder.round_site_in_parts`): the same checks
-        and results as `round_site` on the whole."""
+    def round_site_in_parts(self, op: str, numel: int,
+                            results: Iterable[Iterable[Part]]) -> None:
+        """Replay one site given in parts (`SiteRecorder.round_site_in_parts`): the same checks,
+        results and violations as `round_site` on the whole. That one checks a result's
+        direction entries before its value entries, so here a result's first invalid value
+        entry is reported only once its later parts have shown no invalid direction. (Where one
+        is raised, the parts before it have been written: the step is void either way.)"""
         site = self._next_site(op, numel)
-        entries = _entry_tensors(site) if site.indices.size or site.value_indices.size else None
+        entries = bool(site.indices.size or site.value_indices.size)
         offset = 0
-        for y, b, out in parts:
-            if entries is None:
-                out.copy_(y)  # (a cast into the target dtype: nearest-even, as `to`)
-            else:
-                out.copy_(self._replay_part(op, site, entries, offset, y, b))
-            offset += y.numel()
+        for parts in results:
+            bad_value: LogViolationError | None = None
+            for y, b, out in parts:
+                if not entries:
+                    out.copy_(y)  # (a cast into the target dtype: nearest-even, as `to`)
+                else:
+                    r, bad = self._replay_part(op, site, offset, y, b,
+                                               check_values=bad_value is None)
+                    bad_value = bad_value or bad
+                    out.copy_(r)
+                offset += y.numel()
+            if bad_value is not None:
+                raise bad_value
         assert offset == numel, f"{op}: parts of {offset} elements for a site of {numel}"
 
-    def _replay_part(self, op: str, site: SiteLog,
-                     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                     offset: int, y: torch.Tensor, b: Bound) -> torch.Tensor:
+    def _replay_part(self, op: str, site: SiteLog, offset: int, y: torch.Tensor, b: Bound,
+                     check_values: bool) -> tuple[torch.Tensor, LogViolationError | None]:
         """`y` (the site's elements from `offset`) rounded, flat, with the site's entries that
-        fall in it checked and applied (raises LogViolationError for an invalid one)."""
+        fall in it checked and applied; raises LogViolationError for an invalid direction entry
+        and returns the first invalid value entry's (not applied), if `check_values`. Only the
+        entries in `y`'s range are read (`_entries_in`): a log cannot make each of a site's
+        many parts or results read all its entries."""
         flat = y.reshape(-1)
         r = flat.to(self.policy.target)
-        if not apply_entries(flat, y, b, r, offset, entries, self.policy, WIDE):
-            self._apply_directions(op, flat, r, site, y, b, offset)
-            self._apply_values(op, flat, r, site, y, b, offset)
-        return r
+        mine = _entries_in(site, offset, offset + flat.numel())
+        if not (mine.indices.size or mine.value_indices.size):
+            return r, None
+        if apply_entries(flat, y, b, r, offset, _entry_tensors(mine), self.policy, WIDE):
+            return r, None
+        self._apply_directions(op, flat, r, mine, y, b, offset)
+        if check_values:
+            try:
+                self._apply_values(op, flat, r, mine, y, b, offset)
+            except LogViolationError as bad:
+                return r, bad
+        return r, None
 
     def claim_exact_site(self, op: str, numel: int) -> bool:
         """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
@@ -344,6 +392,10 @@ class SiteReplayer:
                 f"{self._where()}site {self._site(self.position)} ({op}) produced {numel} "
                 f"elements but the rounding log records {site.numel}: wrong program, config or "
                 f"step")
+        if not (_increasing(site.indices) and _increasing(site.value_indices)):
+            raise LogMismatchError(  # (decode_log builds no such log; one made in memory may)
+                f"{self._where()}site {self._site(self.position)} ({op}): the rounding log's "
+                f"entry indices are not strictly increasing (SPEC §2)")
         self.position += 1
         return site
 

@@ -667,7 +667,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
 }
 
 // `_fused.philox(key0, key1, first_block, blocks)`: a bytearray of the blocks' words (native
-// byte order; rng.py reads it with numpy). A plain Python function, not a torch operator, so
+// byte order; rng.py reads it with numpy). fused.py checks the arguments' ranges ("K" wraps). A plain Python function, not a torch operator, so
 // that no dispatch mode of a step (a step's randomness is drawn under one) sees it.
 static PyObject* philox_words(PyObject*, PyObject* args) {
   unsigned long long key0 = 0, key1 = 0, first_block = 0;
@@ -680,8 +680,10 @@ static PyObject* philox_words(PyObject*, PyObject* args) {
   }
   PyObject* out = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(blocks) * 16);
   if (out == nullptr) return nullptr;
-  philox(static_cast<uint32_t>(key0), static_cast<uint32_t>(key1), first_block, blocks,
-         reinterpret_cast<uint32_t*>(PyByteArray_AS_STRING(out)));
+  uint32_t* words = reinterpret_cast<uint32_t*>(PyByteArray_AS_STRING(out));
+  Py_BEGIN_ALLOW_THREADS  // (no Python object is touched: `out` is this call's alone yet)
+  philox(static_cast<uint32_t>(key0), static_cast<uint32_t>(key1), first_block, blocks, words);
+  Py_END_ALLOW_THREADS
   return out;
 }
 

@@ -35,8 +35,6 @@ class Spy(SiteRecorder):
     """Record mode that also remembers (op, element count, bounded) per site, bounded meaning
     that some element's bound is nonzero, after checking the bounds' shape and sign."""
 
-    rounds_in_parts = False  # (it sees every site whole)
-
     def __init__(self, policy: PrecisionPolicy = POLICY) -> None:
         super().__init__(policy)
         self.calls: list[tuple[str, int, bool]] = []
@@ -132,8 +130,6 @@ def test_bounds_have_the_shapes_of_their_rules():
         return "relative" if b.m is None else "outer" if b.col is not None else "tensor"
 
     class Bounds(SiteRecorder):
-        rounds_in_parts = False  # (it sees every site whole)
-
         def round_site(self, op, ys, bounds):
             seen.append((op, [None if b is None else
                               (form(b), tuple(torch.as_tensor(dense_bound(b, y)).shape))
@@ -184,8 +180,6 @@ def test_in_place_rule_reads_the_inputs_before_they_are_overwritten(op):
     got = []
 
     class Bounds(SiteRecorder):
-        rounds_in_parts = False  # (it sees every site whole)
-
         def round_site(self, op, ys, bounds):
             got.append(dense_bound(bounds[0], ys[0]).clone())
             return super().round_site(op, ys, bounds)

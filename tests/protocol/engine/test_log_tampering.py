@@ -48,8 +48,6 @@ def _executor(program="image-cnn", profile="cpu-2t", **config) -> Executor:
 class Capture(SiteRecorder):
     """Record mode that also keeps every site's op, compute-dtype values and bounds."""
 
-    rounds_in_parts = False  # (it sees every site whole)
-
     def __init__(self, policy: PrecisionPolicy) -> None:
         super().__init__(policy)
         self.ops: list[str] = []

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from protocol.cli import program as program_cli
-from protocol.codec.roundinglog import RoundingLog
+from protocol.codec.roundinglog import RoundingLog, SiteLog
 from protocol.codec.state import state_digest
 from protocol.engine import divergence, interceptor, rounding
 from protocol.engine.executor import Executor
@@ -26,15 +26,19 @@ from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import load_program
 from protocol.engine.rounding import BoundAdversary, SiteRecorder, SiteReplayer
-from protocol.errors import LogViolationError
+from protocol.errors import LogMismatchError, LogViolationError
 
 POLICY = PrecisionPolicy()
+BF16 = PrecisionPolicy(torch.float32, torch.bfloat16)
 SIZES = (3001, 2048, 0, 700)  # part boundaries inside, on and past each tensor's end
+# (policy, unit roundoff): band entries as directions, or as values (16e >= ULP)
+WIDENED = {"directions": (POLICY, 2.0**-33), "values": (POLICY, 2.0**-27),
+           "bf16-directions": (BF16, 2.0**-17), "bf16-values": (BF16, 2.0**-13)}
 
 
-def _operands(seed: int) -> list[torch.Tensor]:
+def _operands(seed: int, policy: PrecisionPolicy = POLICY) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.rand(n, generator=g) * 4 + 0.25).float() for n in SIZES]
+    return [(torch.rand(n, generator=g) * 4 + 0.25).to(policy.target) for n in SIZES]
 
 
 # (name, call): each a site of the float32 tensors `xs` (in place: on clones of them)
@@ -51,7 +55,20 @@ OPS = [
     ("_foreach_exp", lambda xs: torch._foreach_exp(xs)),
     ("_foreach_div_.ScalarList", lambda xs: torch._foreach_div_(xs, [1.3, 2.7, 0.5, 3.3])),
     ("_foreach_div.List", lambda xs: torch._foreach_div(xs, [x.flip(0) for x in xs])),
+    ("div_.Scalar", lambda xs: xs[0].div_(0.7)),
+    ("_foreach_div_ aliased", lambda xs: torch._foreach_div_([xs[0], xs[0]], [1.3, 2.7])),
 ]
+# correctly rounded (e = 0): under the float64 -> float32 policy the fused pointwise pass takes
+# them first, under float32 -> bfloat16 the parts path
+EXACT_OPS = [
+    ("mul.Tensor", lambda xs: xs[0] * xs[0].flip(0)),
+    ("mul_.Scalar", lambda xs: xs[0].mul_(1.1)),
+    ("_foreach_mul_.Scalar", lambda xs: torch._foreach_mul_(xs, 0.9)),
+    ("_foreach_add.List", lambda xs: torch._foreach_add(xs, [x.flip(0) for x in xs])),
+    ("mul complex scalar", lambda xs: xs[0] * 1j),
+]
+# the parts path passes these by (aliased in-place writes; a complex scalar)
+WHOLE = {"_foreach_div_ aliased", "mul complex scalar"}
 
 
 def _results(out, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -61,10 +78,13 @@ def _results(out, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (list, tuple)) else [out, *xs]
 
 
-def _run(call, xs, rounder, parts: bool, u: float, monkeypatch) -> list[torch.Tensor]:
+def _run(call, xs, rounder, parts: bool, u: float, monkeypatch, policy=POLICY,
+         used: bool | None = None) -> list[torch.Tensor]:
+    """`call` on copies of `xs` under a mode over `rounder`, the parts path on or off; asserts
+    it ran where on (or as `used` says)."""
     monkeypatch.setattr(interceptor, "PARTS_FROM", 1024 if parts else 1 << 62)
     monkeypatch.setattr(interceptor, "PART", 512)
-    mode = RoundingMode(POLICY, rounder)
+    mode = RoundingMode(policy, rounder)
     mode._bounds.u = u  # wide bounds: elements in the band in every part
     calls = []
     real = type(rounder).round_site_in_parts if hasattr(type(rounder), "round_site_in_parts") \
@@ -78,72 +98,106 @@ def _run(call, xs, rounder, parts: bool, u: float, monkeypatch) -> list[torch.Te
     with mode:
         out = call(operands)
     monkeypatch.undo()
-    assert bool(calls) == parts, "the parts path ran where it was asked for, and only there"
+    assert bool(calls) == (parts if used is None else used), "the parts path ran where asked"
     return [t.clone() for t in _results(out, operands)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(
-        x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32))
+        x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
         for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(("name", "call"), OPS, ids=[name for name, _ in OPS])
-@pytest.mark.parametrize("u", [2.0**-33, 2.0**-27], ids=["directions", "values"])
-def test_a_site_in_parts_logs_and_replays_as_the_whole(name, call, u, monkeypatch):
-    """Record in parts and whole: the same results and log; replay each log in parts and
-    whole: the recorded results, each way."""
-    xs = _operands(len(name))
-    recorders = {parts: SiteRecorder(POLICY) for parts in (False, True)}
-    results = {parts: _run(call, xs, recorders[parts], parts, u, monkeypatch)
+def _both_ways(name, call, policy, u, monkeypatch, used=None):
+    """Record in parts and whole: the same results and log; replay that log in parts and
+    whole: the recorded results, each way. Returns the log."""
+    xs = _operands(len(name), policy)
+    recorders = {parts: SiteRecorder(policy) for parts in (False, True)}
+    results = {parts: _run(call, xs, recorders[parts], parts, u, monkeypatch, policy,
+                           used=used if parts else None)
                for parts in (False, True)}
     logs = {parts: recorders[parts].log() for parts in (False, True)}
     assert _same(results[True], results[False])
     assert logs[True] == logs[False]
-    (site,) = logs[True].sites
-    logged = np.concatenate([site.indices, site.value_indices])
-    assert len({int(i) // 512 for i in logged}) >= 4, "entries in several parts"
-    assert (site.value_indices.size if u > 2.0**-30 else site.indices.size) > 20
     for parts in (False, True):
-        replayer = SiteReplayer(POLICY, logs[True])
-        assert _same(_run(call, xs, replayer, parts, u, monkeypatch), results[True])
+        replayer = SiteReplayer(policy, logs[True])
+        got = _run(call, xs, replayer, parts, u, monkeypatch, policy,
+                   used=used if parts else None)
+        assert _same(got, results[True])
         replayer.finish()
+    return logs[True]
 
 
-def _tampered(log: RoundingLog, kind: str) -> RoundingLog:
-    """The log with one invalid entry added in a late part: a direction at an element far from
-    any boundary, or a value entry whose value is two ULPs off."""
+@pytest.mark.parametrize(("name", "call"), OPS, ids=[name for name, _ in OPS])
+@pytest.mark.parametrize("widened", list(WIDENED))
+def test_a_site_in_parts_logs_and_replays_as_the_whole(name, call, widened, monkeypatch):
+    """Both policies, entries as directions and as values in many parts (`_both_ways`)."""
+    policy, u = WIDENED[widened]
+    log = _both_ways(name, call, policy, u, monkeypatch, used=name not in WHOLE)
+    logged = np.concatenate([s.indices for s in log.sites] + [s.value_indices
+                                                             for s in log.sites])
+    assert len({int(i) // 512 for i in logged}) >= 4, "entries in several parts"
+    assert sum((s.value_indices if "values" in widened else s.indices).size
+               for s in log.sites) > 20
+
+
+@pytest.mark.parametrize(("name", "call"), EXACT_OPS, ids=[name for name, _ in EXACT_OPS])
+def test_correctly_rounded_sites_in_parts_are_the_whole(name, call, monkeypatch):
+    """Ops with e = 0 under float32 -> bfloat16, where the parts path takes them: the same
+    results, logs and replays (`_both_ways`)."""
+    _both_ways(name, call, BF16, 2.0**-24, monkeypatch, used=name not in WHOLE)
+
+
+def _tampered(log: RoundingLog, kinds: str) -> RoundingLog:
+    """The log with invalid entries added: for each of `kinds` ("direction" or "value", in
+    order), one in the first part after the last one's: a direction at an element far from any
+    boundary, or a value entry whose value (1 + 2 ULPs) is far from the element's."""
     (site,) = log.sites
     taken = set(site.indices.tolist()) | set(site.value_indices.tolist())
-    index = next(i for i in range(site.numel - 1, 0, -1) if i not in taken and i % 512 > 5)
-    if kind == "direction":
-        at = np.searchsorted(site.indices, index)
-        changed = dataclasses.replace(site, indices=np.insert(site.indices, at, index),
-                                      up=np.insert(site.up, at, True))
-    else:
-        at = np.searchsorted(site.value_indices, index)
-        changed = dataclasses.replace(
-            site, value_indices=np.insert(site.value_indices, at, index),
-            values=np.insert(site.values, at, np.uint32(0x3F800002)))
-    return RoundingLog((changed,), log.parts)
+    index = 0
+    for kind in kinds.split(","):
+        index = next(i for i in range(index + 512, site.numel) if i not in taken and i % 512 > 5)
+        if kind == "direction":
+            at = np.searchsorted(site.indices, index)
+            site = dataclasses.replace(site, indices=np.insert(site.indices, at, index),
+                                       up=np.insert(site.up, at, True))
+        else:
+            at = np.searchsorted(site.value_indices, index)
+            site = dataclasses.replace(
+                site, value_indices=np.insert(site.value_indices, at, index),
+                values=np.insert(site.values, at, np.uint32(0x3F800002)))
+    return RoundingLog((site,), log.parts)
 
 
-@pytest.mark.parametrize("kind", ["direction", "value"])
+@pytest.mark.parametrize("kinds", ["direction", "value", "value,direction", "value,value",
+                                   "direction,value"])
 @pytest.mark.parametrize(("name", "call"), [OPS[0], OPS[8], OPS[10]],
                          ids=[OPS[0][0], OPS[8][0], OPS[10][0]])
-def test_a_violation_in_a_late_part_is_reported_as_in_the_whole(name, call, kind, monkeypatch):
-    """An invalid entry in a late part: the same LogViolationError (site, op, index, text) in
-    parts as whole."""
+def test_violations_in_parts_are_reported_as_in_the_whole(name, call, kinds, monkeypatch):
+    """Invalid entries in later parts: the same LogViolationError (site, op, index, text) in
+    parts as whole — the whole path checks a result's directions before its values, so an
+    invalid value entry in an early part loses to an invalid direction in a later one."""
     xs = _operands(7)
     recorder = SiteRecorder(POLICY)
     _run(call, xs, recorder, False, 2.0**-33, monkeypatch)
-    log = _tampered(recorder.log(), kind)
+    log = _tampered(recorder.log(), kinds)
     raised = {}
     for parts in (False, True):
         with pytest.raises(LogViolationError) as caught:
             _run(call, xs, SiteReplayer(POLICY, log), parts, 2.0**-33, monkeypatch)
         raised[parts] = (str(caught.value), caught.value.site, caught.value.op)
     assert raised[True] == raised[False]
+    if kinds == "value,direction" and name == "sqrt":  # (one result: the direction wins)
+        assert "its logged value" not in raised[True][0]
+
+
+def test_entries_out_of_order_are_refused():
+    """Entry indices must be strictly increasing (decode_log builds no other log; one made in
+    memory may not be): the replayer refuses the site rather than read part of it."""
+    site = SiteLog(10, np.array([5, 3], dtype=np.int64), np.array([True, False]))
+    replayer = SiteReplayer(POLICY, RoundingLog((site,)))
+    with pytest.raises(LogMismatchError, match="not strictly increasing"):
+        replayer.round_site("op", [torch.zeros(10, dtype=torch.float64)], [None])
 
 
 def test_small_broadcast_and_probed_sites_stay_whole(monkeypatch):
@@ -167,26 +221,31 @@ def test_small_broadcast_and_probed_sites_stay_whole(monkeypatch):
         with RoundingMode(POLICY, rounder):
             call()
     assert ran == []
-    for cls in (divergence.CapturingRecorder, divergence.ComparingReplayer):
-        assert not cls.rounds_in_parts
 
 
-def _subclasses(cls: type) -> list[type]:
-    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
-
-
-def test_every_rounder_that_overrides_round_site_says_whether_it_rounds_in_parts():
+def test_a_rounder_that_overrides_round_site_alone_gets_every_site_whole():
     """A subclass of the recorder or replayer that overrides `round_site` (to see the values)
-    but inherits `round_site_in_parts` would miss the sites rounded in parts: each of ovt's
-    must set `rounds_in_parts` itself or override both."""
-    assert divergence and program_cli  # (imported: their rounders are among the subclasses)
-    checked = []
-    for base in (rounding.SiteRecorder, rounding.SiteReplayer):
-        for cls in _subclasses(base):
-            if "round_site" in vars(cls) and cls.__module__.startswith("protocol."):
-                assert "rounds_in_parts" in vars(cls) or "round_site_in_parts" in vars(cls), cls
-                checked.append(cls.__name__)
-    assert {"CapturingRecorder", "ComparingReplayer", "_TallyingRecorder"} <= set(checked)
+    but not `round_site_in_parts` would miss the sites rounded in parts: it gets
+    `rounds_in_parts = False`, unless it says otherwise."""
+    class Seeing(SiteReplayer):
+        def round_site(self, op, ys, bounds):
+            return super().round_site(op, ys, bounds)
+
+    class Both(SiteRecorder):
+        def round_site(self, op, ys, bounds):
+            return super().round_site(op, ys, bounds)
+
+        def round_site_in_parts(self, op, numel, results):
+            return super().round_site_in_parts(op, numel, results)
+
+    class Told(Seeing):
+        rounds_in_parts = True
+
+    assert not Seeing.rounds_in_parts and Both.rounds_in_parts and Told.rounds_in_parts
+    assert SiteRecorder.rounds_in_parts and SiteReplayer.rounds_in_parts
+    assert not divergence.CapturingRecorder.rounds_in_parts
+    assert not divergence.ComparingReplayer.rounds_in_parts
+    assert program_cli._TallyingRecorder.rounds_in_parts
 
 
 def test_the_program_check_tally_counts_sites_rounded_in_parts(monkeypatch):
@@ -239,3 +298,27 @@ def test_whole_steps_with_the_optimizer_in_parts(program, monkeypatch):
         for log in logs[not parts]:
             auditor.step(log)
         assert state_digest(auditor.state()) == states[not parts]
+
+
+def test_each_part_reads_only_its_own_entries(monkeypatch):
+    """A log cannot make every part (or every result of a foreach site) read all the site's
+    entries — parts × entries work for an honest replayer: each check is handed the entries in
+    its own range only."""
+    xs = _operands(3)
+    call = OPS[8][1]  # _foreach_sqrt: results and parts
+    recorder = SiteRecorder(POLICY)
+    _run(call, xs, recorder, False, 2.0**-33, monkeypatch)
+    log = recorder.log()
+    handed = []
+    real = rounding.apply_entries
+
+    def spy(flat, y, bound, r, offset, entries, policy, wide):
+        indices, _, value_indices, _ = entries
+        handed.append(all(offset <= int(i) < offset + flat.numel()
+                          for i in [*indices.tolist(), *value_indices.tolist()]))
+        return real(flat, y, bound, r, offset, entries, policy, wide)
+
+    for parts in (False, True):
+        monkeypatch.setattr(rounding, "apply_entries", spy)
+        _run(call, xs, SiteReplayer(POLICY, log), parts, 2.0**-33, monkeypatch)
+    assert len(handed) > 8 and all(handed)

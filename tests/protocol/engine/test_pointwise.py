@@ -111,8 +111,6 @@ def cases(seed: int):
 class Exact(SiteRecorder):
     """A recorder that counts the sites it claims and the sites handed to `round_site`."""
 
-    rounds_in_parts = False  # (it sees every site whole)
-
     def __init__(self, policy=POLICY, claims: bool = True) -> None:
         super().__init__(policy)
         self.claimed: list[tuple[str, int]] = []

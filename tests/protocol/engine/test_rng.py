@@ -228,3 +228,12 @@ def test_bad_keys_raise(key):
 def test_bad_arguments_raise(method, args):
     with pytest.raises(ConfigError):
         getattr(RandomStream(0, "x"), method)(*args)
+
+
+@pytest.mark.skipif(fused.MISSING is not None, reason="the fused passes are not built")
+@pytest.mark.parametrize(("key", "first_block", "blocks"), [
+    ((2**32, 0), 0, 1), ((0, -1), 0, 1), ((0, 0), -1, 1), ((0, 0), 0, -1), ((0, 0), 2**64, 1),
+])
+def test_the_fused_pass_refuses_arguments_that_would_wrap(key, first_block, blocks):
+    with pytest.raises(ValueError, match="philox"):
+        fused.philox(key, first_block, blocks)
