@@ -1,10 +1,10 @@
 """Large CPU buffers of the rounding engine on transparent huge pages (issue 13).
 
-At GPT-2 width a step widens tensors of hundreds of megabytes (the tied 50257 × 768 embedding,
-the 512 × 50257 logits and their gradients) into fresh float64 buffers, and with 4 KB pages the
-first touch of each page — a fault, the kernel zeroing it — costs several times the copy
-itself: widening the embedding takes 119 ms into a fresh buffer, 22 ms into one advised for
-2 MB pages. torch's own switch for that (`THP_MEM_ALLOC_ENABLE=1`) applies to every
+At GPT-2 width a step widens tensors of hundreds of megabytes (the 50257 × 768 embedding and
+output head, the 512 × 50257 logits and their gradients) into fresh float64 buffers, and with
+4 KB pages the first touch of each page — a fault, the kernel zeroing it — costs several times
+the copy itself: widening the embedding takes 119 ms into a fresh buffer, 22 ms into one
+advised for 2 MB pages. torch's own switch for that (`THP_MEM_ALLOC_ENABLE=1`) applies to every
 allocation from 2 MB, where it slows mid-sized steps (the image CNN's, by a fifth here), so
 ovt advises only the buffers it makes itself, and only from `HUGE_FROM` bytes: an anonymous
 `mmap` advised `MADV_HUGEPAGE`, which the tensor over it keeps alive and which is unmapped
