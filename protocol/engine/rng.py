@@ -4,7 +4,7 @@ Every random number a step uses comes from here, never from torch's or CUDA's ge
 bits depend on the device, the library version and sometimes the thread count. Philox4x32-10
 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11 — the Random123 library) is
 pure 32-bit integer arithmetic, so numpy computes the same words on every machine, and so does
-the C++ pass that computes them where ovt's extension is built (`fused.philox`, ~50× faster;
+the C++ pass that computes them where ovt's extension is built (`fused.philox`, 6–20× faster;
 tests/protocol/engine/test_rng.py checks it against numpy's words).
 
 A `RandomStream` is keyed by (seed, *path), e.g. `RandomStream(job_seed, "random", step, call)`

@@ -614,7 +614,9 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
 void philox(uint32_t key0, uint32_t key1, uint64_t first_block, int64_t blocks, uint32_t* out) {
   constexpr uint64_t kM0 = 0xD2511F53, kM1 = 0xCD9E8D57;
   constexpr uint32_t kW0 = 0x9E3779B9, kW1 = 0xBB67AE85;
-  at::parallel_for(0, blocks, 4096, [&](int64_t begin, int64_t end) {
+  // (grain: a draw of under 2**16 blocks, a dropout mask's, runs on the calling thread — a
+  // parallel region costs more than it saves there, and stalls on a busy machine)
+  at::parallel_for(0, blocks, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const uint64_t block = first_block + static_cast<uint64_t>(i);
       uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32);

@@ -44,7 +44,7 @@ def _stream_counters(first_block: int, blocks: int) -> np.ndarray:
 
 @pytest.mark.skipif(fused.MISSING is not None, reason="the fused passes are not built")
 @pytest.mark.parametrize(("first_block", "blocks"), [
-    (0, 0), (0, 1), (0, 3), (0, 5000), (7, 20_011),  # more than one unit of parallel work
+    (0, 0), (0, 1), (0, 3), (0, 5000), (7, 140_011),  # more than one unit of parallel work
     (2**32 - 3, 7),  # the counter's high word turns over
     (2**64 - 9, 9),  # the last blocks of the counter space
 ])
