@@ -320,7 +320,8 @@ class SiteReplayer(_RoundsInParts):
                      check_values: bool) -> tuple[torch.Tensor, LogViolationError | None]:
         """`y` (the site's elements from `offset`) rounded, flat, with the site's entries that
         fall in it checked and applied; raises LogViolationError for an invalid direction entry
-        and returns the first invalid value entry's (not applied), if `check_values`. Only the
+        and, if `check_values`, returns the violation of the first invalid value entry (values
+        then not applied) instead of raising it. Only the
         entries in `y`'s range are read (`_entries_in`): a log cannot make each of a site's
         many parts or results read all its entries."""
         flat = y.reshape(-1)
