@@ -324,35 +324,36 @@ class RoundingMode(TorchDispatchMode):
         besides the one it writes or whose written tensors share memory (each part is written
         before the next is read), or fewer than `PARTS_FROM` elements. (On CUDA the
         whole-tensor path runs: its allocator keeps its memory.)"""
-        if not getattr(type(self.rounder), "rounds_in_parts", False) or \
-                (plan.positions and not (plan.in_place and plan.positions == {0})):
-            return None
         foreach = plan.foreach
+        first = args[0] if args else None
+        leads: list[torch.Tensor]  # each result's first operand (its shape, or it, written)
+        if foreach and isinstance(first, (list, tuple)) and first and \
+                all(isinstance(t, torch.Tensor) for t in first):
+            leads = list(first)
+        elif not foreach and isinstance(first, torch.Tensor):
+            leads = [first]
+        else:
+            return None
+        total = sum(t.numel() for t in leads)
+        if total < PARTS_FROM or not getattr(type(self.rounder), "rounds_in_parts", False) or \
+                (plan.positions and not (plan.in_place and plan.positions == {0})):
+            return None  # (the size first: this runs for every op with an elementwise rule)
         if foreach:  # one call per list element, each on one-element lists
-            if not isinstance(args[0], (list, tuple)) or not args[0]:
-                return None
             calls = [tuple([a[i]] if isinstance(a, (list, tuple)) else a for a in args)
-                     for i in range(len(args[0]))]
+                     for i in range(len(leads))]
         else:
             calls = [args]
-        leads = []
-        for call in calls:
+        for call, lead in zip(calls, leads, strict=True):
             leaves = [v for a in call for v in (a if isinstance(a, (list, tuple)) else [a])]
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            if not tensors or not isinstance(call[0], (torch.Tensor, list, tuple)) or \
-                    not all(isinstance(v, (torch.Tensor, bool, int, float)) for v in leaves):
+            if not all(isinstance(v, (torch.Tensor, bool, int, float)) for v in leaves):
                 return None
-            lead = tensors[0]
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             if not all(t.dtype == self.policy.target and t.is_cpu and t.is_contiguous()
                        and t.shape == lead.shape for t in tensors):
                 return None
             if plan.in_place and len(tensors) > 1:
                 return None
-            leads.append(lead)
         if plan.in_place and len({_storage_key(t) for t in leads}) < len(leads):
-            return None
-        total = sum(t.numel() for t in leads)
-        if total < PARTS_FROM:
             return None
         outs = leads if plan.in_place else [torch.empty_like(t) for t in leads]
         needed = self._bounds_needed()
