@@ -669,8 +669,9 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
 }
 
 // `_fused.philox(key0, key1, first_block, blocks)`: a bytearray of the blocks' words (native
-// byte order; rng.py reads it with numpy). fused.py checks the arguments' ranges ("K" wraps). A plain Python function, not a torch operator, so
-// that no dispatch mode of a step (a step's randomness is drawn under one) sees it.
+// byte order; rng.py reads it with numpy); fused.py checks the arguments' ranges ("K" wraps).
+// A plain Python function, not a torch operator, so that no dispatch mode of a step (a step's
+// randomness is drawn under one) sees it.
 static PyObject* philox_words(PyObject*, PyObject* args) {
   unsigned long long key0 = 0, key1 = 0, first_block = 0;
   long long blocks = 0;
