@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from numbers import Real
 
 import numpy as np
@@ -44,6 +44,9 @@ _TAG_STR = b"s"
 _U64_LIMIT = 2**64
 _U24_SCALE = 2.0**-24  # (word >> 8) * 2**-24 is exact in float64
 _IRWIN_HALL_TERMS = 12  # sum of 12 U(0,1) has variance 1
+# elements of a uniform or normal draw computed at a time (`RandomStream._drawn`); a multiple of
+# 4, so that each chunk's words start on a block for any words per element
+_CHUNK_ELEMENTS = 1 << 20
 
 Shape = int | Sequence[int]
 
@@ -129,18 +132,40 @@ class RandomStream:
     def words(self, n: int) -> np.ndarray:
         """The first n uint32 words of the stream (so words(n) is a prefix of words(m), n < m)."""
         n = _check_count(n, "word count")
-        fast = fused.philox(self.key, 0, -(-n // 4))
+        return self._blocks(0, -(-n // 4))[:n]
+
+    def _blocks(self, first: int, count: int) -> np.ndarray:
+        """The words of blocks first .. first + count - 1, four per block (C++ where it is
+        built, else numpy: the same words)."""
+        fast = fused.philox(self.key, first, count)
         if fast is not None:
-            return np.frombuffer(fast, dtype=np.uint32)[:n]
-        blocks = np.arange(-(-n // 4), dtype=np.uint64)
+            return np.frombuffer(fast, dtype=np.uint32)
+        blocks = np.arange(first, first + count, dtype=np.uint64)
         counters = np.zeros((blocks.size, 4), dtype=np.uint32)
         counters[:, 0] = blocks & np.uint64(_MASK32)
         counters[:, 1] = blocks >> np.uint64(32)
-        return philox4x32(counters, self.key).reshape(-1)[:n]
+        return philox4x32(counters, self.key).reshape(-1)
 
-    def _unit_ints(self, n: int) -> np.ndarray:
-        """n integers in [0, 2**24): the top 24 bits of each word, so float32 holds u exactly."""
-        return (self.words(n) >> np.uint32(8)).astype(np.int64)
+    def _unit_ints(self, start: int, n: int) -> np.ndarray:
+        """Words start .. start + n - 1 of the stream (start a multiple of 4: a block's first
+        word) as integers in [0, 2**24): the top 24 bits of each, so float32 holds u exactly."""
+        first = start // 4
+        words = self._blocks(first, -(-(start + n) // 4) - first)[:n]
+        return (words >> np.uint32(8)).astype(np.int64)
+
+    def _drawn(self, n: int, words_each: int,
+               values: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """float64 values of n elements, element j from words j·words_each ..
+        (j + 1)·words_each - 1 alone (`values` maps unit integers of shape (elements,
+        words_each) to the elements' values), computed `_CHUNK_ELEMENTS` elements at a time:
+        the bits of one draw, with one chunk's words held at a time. (GPT-2's 38.6 M-element
+        embedding draws 464 M words for its normal values: 3.7 GB as int64 in one piece.)"""
+        out = np.empty(n, dtype=np.float64)
+        for begin in range(0, n, _CHUNK_ELEMENTS):
+            count = min(_CHUNK_ELEMENTS, n - begin)
+            ints = self._unit_ints(begin * words_each, count * words_each)
+            out[begin:begin + count] = values(ints.reshape(count, words_each))
+        return out
 
     def uniform(self, shape: Shape, low: float = 0.0, high: float = 1.0) -> torch.Tensor:
         """float32 CPU tensor of values low + (high - low) * u with u on the grid k * 2**-24.
@@ -153,8 +178,9 @@ class RandomStream:
         low, high = _check_finite(low, "low"), _check_finite(high, "high")
         if not low < high:
             raise ConfigError(f"uniform needs low < high, got [{low}, {high})")
-        u = self._unit_ints(n) * _U24_SCALE
-        return _float32_tensor(low + (high - low) * u, dims)
+        span = high - low
+        u = self._drawn(n, 1, lambda ints: low + span * (ints[:, 0] * _U24_SCALE))
+        return _float32_tensor(u, dims)
 
     def normal(self, shape: Shape, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
         """float32 CPU tensor, approximately normal(mean, std) — Irwin–Hall, not exact.
@@ -168,9 +194,10 @@ class RandomStream:
         mean, std = _check_finite(mean, "mean"), _check_finite(std, "std")
         if std < 0:
             raise ConfigError(f"normal needs std >= 0, got {std}")
-        total = self._unit_ints(_IRWIN_HALL_TERMS * n).reshape(n, _IRWIN_HALL_TERMS).sum(axis=1)
-        z = total * _U24_SCALE - _IRWIN_HALL_TERMS / 2
-        return _float32_tensor(mean + std * z, dims)
+        def values(ints: np.ndarray) -> np.ndarray:
+            z = ints.sum(axis=1) * _U24_SCALE - _IRWIN_HALL_TERMS / 2
+            return mean + std * z
+        return _float32_tensor(self._drawn(n, _IRWIN_HALL_TERMS, values), dims)
 
     def keep_mask(self, shape: Shape, keep_prob: float | np.ndarray) -> torch.Tensor:
         """bool CPU tensor, True where word < keep_prob * 2**32 — an exact comparison in float64.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.engine import fused
+from protocol.engine import fused, rng
 from protocol.engine.rng import RandomStream, _mul_high, derive_key, philox4x32
 from protocol.errors import ConfigError
 
@@ -190,6 +190,35 @@ def test_normal_moments():
     assert abs(values.mean().item() - 1.5) < 0.05
     assert abs(values.std().item() - 2.0) < 0.05
     assert values.min() >= 1.5 - 12.0 and values.max() <= 1.5 + 12.0  # Irwin–Hall is bounded
+
+
+def _normal_from_words(stream: RandomStream, n: int, mean: float, std: float) -> np.ndarray:
+    """`normal`'s formula on the stream's first 12·n words, in one piece."""
+    ints = (stream.words(12 * n) >> 8).astype(np.int64).reshape(n, 12)
+    return (mean + std * (ints.sum(axis=1) * 2.0**-24 - 6.0)).astype(np.float32)
+
+
+def _uniform_from_words(stream: RandomStream, n: int, low: float, high: float) -> np.ndarray:
+    ints = (stream.words(n) >> 8).astype(np.int64)
+    return (low + (high - low) * (ints * 2.0**-24)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fused_on", [True, False])
+@pytest.mark.parametrize("chunk", [4, 8, 1 << 20])
+def test_chunked_draws_are_one_draw(monkeypatch, fused_on, chunk):
+    """`normal` and `uniform` compute `_CHUNK_ELEMENTS` elements at a time: the same bits as the
+    formula on the whole word sequence, for sizes below, at and across chunk boundaries, with
+    the C++ words and with numpy's (whose counters then start past block 0)."""
+    monkeypatch.setattr(rng, "_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(fused, "ENABLED", fused_on and fused.ENABLED)
+    for n in (1, 3, 4, 9, 16, 37):
+        stream = RandomStream(11, "init", f"w{n}")
+        normal = stream.normal((n,), mean=0.25, std=0.02).numpy()
+        assert np.array_equal(normal.view(np.uint32),
+                              _normal_from_words(stream, n, 0.25, 0.02).view(np.uint32))
+        uniform = stream.uniform((n,), -0.125, 0.375).numpy()
+        assert np.array_equal(uniform.view(np.uint32),
+                              _uniform_from_words(stream, n, -0.125, 0.375).view(np.uint32))
 
 
 def test_normal_dtype_shape():
