@@ -55,6 +55,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
+from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.bounds import dense_bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
@@ -382,7 +383,8 @@ def memory_per_role(args, roles: list[str], s0: dict, log: RoundingLog | None) -
         for role in roles:
             cmd = [sys.executable, __file__, "--_memory-probe", role, "--preset", args.preset,
                    "--threads", str(args.threads), "--policy", args.policy, "--seed",
-                   str(args.seed), "--_s0", str(s0_path), "--_log", str(log_path)]
+                   str(args.seed), "--_s0", str(s0_path), "--_log", str(log_path),
+                   *(["--malloc-defaults"] if args.malloc_defaults else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:
                 peaks[role] = float("nan")
@@ -425,7 +427,7 @@ def print_report(s: dict, meta: dict) -> None:
           f"parameters), {meta['steps']} steps, medians over {s['steps_timed']} "
           f"(first {meta['warmup']} not timed)")
     print(f"record profile {meta['profile']}; policy {meta['policy']}; torch {meta['torch']}, "
-          f"{meta['cpu_capability']}, {meta['machine']}")
+          f"{meta['cpu_capability']}, {meta['machine']}; malloc: {meta['malloc']}")
     print()
     print("Replays (state hash equal to the record's after every step):")
     for name, rep in s["replays"].items():
@@ -491,12 +493,17 @@ def main(argv=None) -> int:
                    help="also measure each role's peak RSS in its own subprocess")
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
     p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="leave glibc's malloc thresholds as they are; by default the benchmark "
+                        "keeps freed memory for reuse as ovt's own processes do "
+                        "(protocol/engine/allocator.py), for every role alike")
     p.add_argument("--_memory-probe", help=argparse.SUPPRESS)
     p.add_argument("--_s0", help=argparse.SUPPRESS)
     p.add_argument("--_log", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.full:
         args.preset = "gpt2-small"
+    kept = not args.malloc_defaults and keep_freed_memory()
     if args._memory_probe:
         return memory_probe(args)
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
@@ -528,6 +535,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "malloc": "freed memory kept (allocator.py)" if kept else "glibc's defaults",
         "loadavg_start": os.getloadavg()[0],
     }
     started = time.perf_counter()

@@ -40,6 +40,7 @@ import torch
 from protocol.codec.roundinglog import encode_log, size_report
 from protocol.codec.state import state_digest
 from protocol.engine import fused
+from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -225,7 +226,7 @@ def print_table(summaries: list[dict], meta: dict) -> None:
           f"policy {meta['policy']}, certified bands (bound rules v{meta['bound_rules']}), "
           f"fused passes in record: {meta['fused']}")
     print(f"torch {meta['torch']}, {meta['cpu_capability']}, python {meta['python']}, "
-          f"{meta['machine']}")
+          f"{meta['machine']}; malloc: {meta['malloc']}")
     names = [s["program"] for s in summaries]
     colw = max(22, *(len(n) + 2 for n in names))
 
@@ -309,9 +310,14 @@ def main(argv=None) -> int:
     p.add_argument("--init-seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the numbers as JSON")
     p.add_argument("--quiet", action="store_true", help="no per-step progress on stderr")
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="leave glibc's malloc thresholds as they are; by default the benchmark "
+                        "keeps freed memory for reuse as ovt's own processes do "
+                        "(protocol/engine/allocator.py), for every role alike")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0, --threads >= 1")
+    kept = not args.malloc_defaults and keep_freed_memory()
 
     profile = Profile(f"cpu-{args.threads}t", threads=args.threads)
     replay_profile = Profile.parse(args.replay_profile) if args.replay_profile else profile
@@ -336,6 +342,7 @@ def main(argv=None) -> int:
                                                       + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
+        "malloc": "freed memory kept (allocator.py)" if kept else "glibc's defaults",
         "fused": "yes" if fused.ENABLED
         else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})",
     }

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from protocol.engine.allocator import keep_freed_memory
 from protocol.errors import ConfigError, OvtError
 
 EXIT_USAGE = 2
@@ -15,10 +16,12 @@ EXIT_INTERRUPTED = 130
 
 
 def run_command(prog: str, args: argparse.Namespace) -> int:
-    """Run `args.run(args)`. An OvtError (bad input, an unreachable or misbehaving peer) becomes
-    one line on stderr and exits with its `exit_code`, never below 2: 0 and 1 are the commands'
-    own results (matched / diverged, valid / invalid). Ctrl-C exits 130. No traceback for an
-    expected failure."""
+    """Run `args.run(args)`, in a process whose malloc keeps freed memory for reuse
+    (`allocator.keep_freed_memory`: any command may train or replay steps). An OvtError (bad
+    input, an unreachable or misbehaving peer) becomes one line on stderr and exits with its
+    `exit_code`, never below 2: 0 and 1 are the commands' own results (matched / diverged,
+    valid / invalid). Ctrl-C exits 130. No traceback for an expected failure."""
+    keep_freed_memory()
     try:
         return args.run(args)
     except OvtError as err:
