@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from protocol.engine import hugepages, pointwise
+from protocol.engine import pointwise
 from protocol.engine.bounds import FIXED_FORMULA, BoundContext, Rule, bounds_for, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
@@ -95,7 +95,7 @@ class WidenCache:
         hit = self.entries.get(key)
         if hit is not None and hit[1] == t._version:
             return hit[2]
-        wide = hugepages.copy_to(t, self.compute)  # (read only: the op does not write it)
+        wide = t.to(self.compute)
         size = wide.numel() * wide.element_size()
         if self.held + size <= self.budget:
             self.entries[key] = (t, t._version, wide)
