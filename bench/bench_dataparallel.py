@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict
 
 from protocol.codec.state import state_digest
+from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.dataparallel import Recipe, WorkerGroup
 from protocol.engine.replaycheck import SideSpec, worker_executor
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as ovt's processes do, its workers too (protocol/engine/allocator.py)
     rows = [bench(p, args.preset, args.micro_batches, args.steps, args.warmup)
             for p in args.programs]
     print(f"\ndata-parallel steps, preset {args.preset}, {args.micro_batches} micro-batches, "

@@ -17,6 +17,7 @@ import pstats
 
 import torch
 
+from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
+    keep_freed_memory()  # as ovt's processes do (protocol/engine/allocator.py)
     torch.set_num_threads(args.threads)
 
     def executor() -> Executor:

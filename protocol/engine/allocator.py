@@ -2,49 +2,90 @@
 
 torch's CPU tensors come from malloc, and glibc hands a freed block back to the kernel where it
 was mapped on its own (from `M_MMAP_THRESHOLD`, which glibc moves between 128 KiB and 32 MiB as
-it goes) or where it lies at the top of the heap beyond `M_TRIM_THRESHOLD`. A training step
-frees and allocates the same sizes every step, so the next tensor of that size takes fresh
-pages, and the first touch of each page (a fault, the kernel zeroing it) can cost more than the
-arithmetic on it. With blocks under `KEEP_BELOW` taken from the heap and the heap never
-trimmed, measured here (bench/README.md): at
-GPT-2 width a record step takes 3.82 s instead of 4.74 s, its replay 3.14 s instead of 3.94 s
-and a plain float64 step 2.60 s instead of 3.32 s, for a record process's peak 5 % higher
-(2,973 against 2,818 MiB: a freed block is reused where it lies, not unmapped); in a process
-of one image-CNN executor a record step takes 160 ms instead of 196–240 ms and a plain float64
-one 101 ms instead of 213–231 ms. Deployments otherwise get this from jemalloc or tcmalloc. It
+it goes; in a thread's own arena, from the arena's 64 MiB heap size whatever the threshold) or
+where it lies at the top of the heap beyond `M_TRIM_THRESHOLD`. A training step frees and
+allocates the same sizes every step, so the next tensor of that size takes fresh pages, and the
+first touch of each page (a fault, the kernel zeroing it) can cost more than the arithmetic on
+it. `keep_freed_memory` makes every thread allocate from the main heap (`M_ARENA_MAX` 1), takes
+blocks under `KEEP_BELOW` from it and never trims it, so a freed block is reused where it lies.
+Measured here (bench/README.md, "malloc"): at GPT-2 width a record step takes 3.31 s instead
+of 5.64 s and a plain float64 one 2.50 s instead of 3.36 s, a record process peaking at
+3,011 MiB instead of 2,819; the image CNN's plain float64 step, in a process of its own, takes
+101 ms instead of 213–231 ms. Deployments otherwise get this from jemalloc or tcmalloc. It
 changes no bits: allocation is not arithmetic.
 
-ovt's own processes set it when they start (`protocol.cli.commands.run_command`, the
-data-parallel worker); importing ovt as a library changes nothing. Where the C library is not
-glibc, or glibc's own settings are given in the environment (`MALLOC_MMAP_THRESHOLD_`,
-`MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES`: a user's choice wins), nothing is set.
+ovt's own processes set it when they start (`protocol.cli.commands.run_command`), and the
+settings are also put in the environment as glibc's own variables, so that every process they
+start (data-parallel and audit workers, a replay check's other side) runs under the same ones;
+importing ovt as a library changes nothing. Where the C library is not glibc, or the
+environment already holds glibc malloc settings (a user's choice, or a parent's) or preloads
+another malloc, nothing is set. A daemon hands its free memory back between jobs
+(`release_freed_memory`), so that an idle one does not hold its last job's peak.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
 KEEP_BELOW = 1 << 30  # bytes: blocks under 1 GiB come from the heap, not mappings of their own
-_NEVER = -1  # M_TRIM_THRESHOLD: the heap is never trimmed (mallopt(3): "disables trimming")
+OLD_GLIBC_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc took before 2.35
 
-_M_TRIM_THRESHOLD = -1  # glibc's <malloc.h>
-_M_MMAP_THRESHOLD = -3
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+# glibc's <malloc.h> parameter numbers
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_TRIM_NEVER = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming completely"
+_SIZE_MAX = 2**64 - 1  # the same in the environment, where the value is a size_t
+
+_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's `M_MMAP_THRESHOLD` to `KEEP_BELOW` and turn its trimming off (module
-    docstring), for the rest of the process. Returns whether both were set: False where the C
-    library is not glibc, where the environment holds glibc's own malloc settings, or where
-    glibc refused a value."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or \
-            any(name in os.environ for name in _USER_SETTINGS):
-        return False
+def keep_freed_memory() -> int | None:
+    """Set glibc's `M_ARENA_MAX` to 1, `M_MMAP_THRESHOLD` to `KEEP_BELOW` (`OLD_GLIBC_MAX`
+    where glibc takes no more) and turn trimming off, for the rest of the process, and put the
+    same settings in `os.environ` for the processes it starts (module docstring). Returns the
+    mmap threshold set, or None where nothing was: the C library is not glibc, the environment
+    holds glibc malloc settings or preloads another malloc, or glibc refused a setting."""
+    libc = _libc()
+    if libc is None or _user_settings():
+        return None
+    threshold = next((value for value in (KEEP_BELOW, OLD_GLIBC_MAX)
+                      if libc.mallopt(_M_MMAP_THRESHOLD, value) == 1), None)
+    if threshold is None or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER) != 1 or \
+            libc.mallopt(_M_ARENA_MAX, 1) != 1:
+        return None
+    os.environ.update({"MALLOC_MMAP_THRESHOLD_": str(threshold),
+                       "MALLOC_TRIM_THRESHOLD_": str(_SIZE_MAX), "MALLOC_ARENA_MAX": "1"})
+    return threshold
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel (`malloc_trim(0)`), for a daemon between
+    jobs; nothing where the C library is not glibc. Costs the next job its first step's page
+    faults, nothing else."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _user_settings() -> bool:
+    """Whether the environment already decides: glibc's malloc variables, a malloc tunable, or
+    a preloaded malloc (jemalloc, tcmalloc, mimalloc: their names end in "malloc")."""
+    return any(name in os.environ for name in _ENVIRONMENT) or \
+        "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or \
+        "malloc" in os.environ.get("LD_PRELOAD", "")
+
+
+@functools.cache
+def _libc():
+    """glibc, with the two functions used here declared; None where it is not the C library."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return False
-    return libc.mallopt(_M_MMAP_THRESHOLD, KEEP_BELOW) == 1 and \
-        libc.mallopt(_M_TRIM_THRESHOLD, _NEVER) == 1
+        return None
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc

@@ -154,18 +154,19 @@ class RandomStream:
         return (words >> np.uint32(8)).astype(np.int64)
 
     def _drawn(self, n: int, words_each: int,
-               values: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """float64 values of n elements, element j from words j·words_each ..
+               values: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+        """A float32 CPU tensor of n elements, element j from words j·words_each ..
         (j + 1)·words_each - 1 alone (`values` maps unit integers of shape (elements,
-        words_each) to the elements' values), computed `_CHUNK_ELEMENTS` elements at a time:
-        the bits of one draw, with one chunk's words held at a time. (GPT-2's 38.6 M-element
+        words_each) to the elements' float64 values, each then rounded once to float32, as
+        numpy rounds: to nearest even), computed `_CHUNK_ELEMENTS` elements at a time: the
+        bits of one draw, with one chunk's words held at a time. (GPT-2's 38.6 M-element
         embedding draws 464 M words for its normal values: 3.7 GB as int64 in one piece.)"""
-        out = np.empty(n, dtype=np.float64)
+        out = np.empty(n, dtype=np.float32)
         for begin in range(0, n, _CHUNK_ELEMENTS):
             count = min(_CHUNK_ELEMENTS, n - begin)
             ints = self._unit_ints(begin * words_each, count * words_each)
             out[begin:begin + count] = values(ints.reshape(count, words_each))
-        return out
+        return torch.from_numpy(out)
 
     def uniform(self, shape: Shape, low: float = 0.0, high: float = 1.0) -> torch.Tensor:
         """float32 CPU tensor of values low + (high - low) * u with u on the grid k * 2**-24.
@@ -179,8 +180,8 @@ class RandomStream:
         if not low < high:
             raise ConfigError(f"uniform needs low < high, got [{low}, {high})")
         span = high - low
-        u = self._drawn(n, 1, lambda ints: low + span * (ints[:, 0] * _U24_SCALE))
-        return _float32_tensor(u, dims)
+        return self._drawn(n, 1, lambda ints: low + span * (ints[:, 0] * _U24_SCALE)) \
+            .reshape(dims)
 
     def normal(self, shape: Shape, mean: float = 0.0, std: float = 1.0) -> torch.Tensor:
         """float32 CPU tensor, approximately normal(mean, std) — Irwin–Hall, not exact.
@@ -194,10 +195,11 @@ class RandomStream:
         mean, std = _check_finite(mean, "mean"), _check_finite(std, "std")
         if std < 0:
             raise ConfigError(f"normal needs std >= 0, got {std}")
+
         def values(ints: np.ndarray) -> np.ndarray:
             z = ints.sum(axis=1) * _U24_SCALE - _IRWIN_HALL_TERMS / 2
             return mean + std * z
-        return _float32_tensor(self._drawn(n, _IRWIN_HALL_TERMS, values), dims)
+        return self._drawn(n, _IRWIN_HALL_TERMS, values).reshape(dims)
 
     def keep_mask(self, shape: Shape, keep_prob: float | np.ndarray) -> torch.Tensor:
         """bool CPU tensor, True where word < keep_prob * 2**32 — an exact comparison in float64.
@@ -271,8 +273,3 @@ def _mul_high(x_hi: np.ndarray, x_lo: np.ndarray, span: int) -> np.ndarray:
     lo_lo, hi_lo, lo_hi, hi_hi = x_lo * s_lo, x_hi * s_lo, x_lo * s_hi, x_hi * s_hi
     middle = (lo_lo >> np.uint64(32)) + (hi_lo & mask) + (lo_hi & mask)  # < 3 * 2**32
     return hi_hi + (hi_lo >> np.uint64(32)) + (lo_hi >> np.uint64(32)) + (middle >> np.uint64(32))
-
-
-def _float32_tensor(values: np.ndarray, dims: tuple[int, ...]) -> torch.Tensor:
-    """Round float64 values to float32 (numpy, IEEE round-to-nearest-even) as a CPU tensor."""
-    return torch.from_numpy(values.astype(np.float32).reshape(dims))

@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.dataparallel import DEFAULT_TIMEOUT_S, Recipe, serve
 
 
@@ -26,7 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", required=True, help="JSON: {builder, args}")
     args = parser.parse_args(argv)
     body = json.loads(args.recipe)
-    keep_freed_memory()  # (as the node that started it: allocator.py)
     return serve(args.rank, args.world, args.rendezvous, Recipe(body["builder"], body["args"]),
                  args.timeout_s)
 

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from protocol.engine.allocator import release_freed_memory
 from protocol.errors import ResourceLimitError
 
 if TYPE_CHECKING:
@@ -143,3 +144,4 @@ class JobQueue(Generic[S]):
                     return
                 job_id = self._waiting.popleft()
             self._work(job_id)
+            release_freed_memory()  # (an idle daemon does not hold its last job's peak)

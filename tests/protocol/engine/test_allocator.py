@@ -1,72 +1,184 @@
-"""`allocator.keep_freed_memory`: glibc's malloc keeps large freed blocks in its heap."""
+"""`allocator.keep_freed_memory`: glibc's malloc keeps large freed blocks in its heap, in every
+thread and in the processes started after it. Process-wide and not undoable, so each check of
+the real settings runs in a fresh interpreter."""
 
 from __future__ import annotations
 
-import ctypes
+import argparse
+import json
+import os
 import platform
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
+from protocol.cli import commands
 from protocol.engine import allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+ROOT = Path(__file__).resolve().parents[3]
 
+# Run in a fresh interpreter: mallinfo2's counts around a malloc of `size` bytes, in the main
+# thread or a new one; prints one JSON line per check.
+_PROBE = textwrap.dedent('''
+    import ctypes, json, sys, threading
+    import torch
+    torch.ones(1 << 16).sum()  # (torch's own threads exist, as in any step)
+    from protocol.engine import allocator
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-
-def _libc():
     libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):  # (glibc >= 2.33)
-        pytest.skip("this glibc has no mallinfo2")
-    libc.mallinfo2.restype = _Mallinfo2
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
+    if not hasattr(libc, "mallinfo2"):
+        print(json.dumps({"skip": "no mallinfo2 (glibc < 2.33)"})); sys.exit(0)
+    libc.mallinfo2.restype = Info
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    return libc
+
+    def block(size):
+        """(own mappings added while `size` bytes are held, free heap bytes once freed)"""
+        before = libc.mallinfo2().hblks
+        p = libc.malloc(size)
+        assert p
+        mapped = libc.mallinfo2().hblks - before
+        libc.free(p)
+        return mapped, libc.mallinfo2().fordblks
+
+    def in_thread(size):
+        out = []
+        t = threading.Thread(target=lambda: out.append(block(size)))
+        t.start(); t.join()
+        return out[0]
+
+    checks = {"default": block(256 << 20)}
+    if sys.argv[1] == "keep":
+        threshold = allocator.keep_freed_memory()
+        size = min(256 << 20, (threshold or 0) // 2)
+        checks.update(threshold=threshold, size=size, main=block(size),
+                      thread=in_thread(size), environ={k: v for k, v in __import__("os")
+                      .environ.items() if k.startswith("MALLOC_")})
+    else:  # a child: the settings come from the environment alone
+        checks.update(again=allocator.keep_freed_memory(), main=block(256 << 20),
+                      thread=in_thread(256 << 20))
+    print(json.dumps(checks))
+''')
+
+
+def _probe(mode: str, env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=ROOT, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result
+
+
+def _clean_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    return env | {"PYTHONPATH": str(ROOT)}
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_a_large_block_comes_from_the_heap_and_stays_there(monkeypatch):
-    """With glibc's defaults a 256 MiB block is a mapping of its own (its threshold never
-    passes 32 MiB), unmapped when freed; once the thresholds are set it comes from the heap,
-    and when freed its memory stays there for the next allocation."""
-    for name in allocator._USER_SETTINGS:
+def test_large_blocks_come_from_the_heap_and_stay_there():
+    """With glibc's defaults a 256 MiB block is a mapping of its own (glibc's threshold never
+    passes 32 MiB), unmapped when freed. After `keep_freed_memory` a large block comes from the
+    heap, in the main thread and in a thread started later (which would otherwise get an arena
+    of its own, whose heaps hold 64 MiB at most), and once freed its memory is free heap for
+    the next allocation. (That trimming is turned off is the fake-libc tests' to check: a
+    block that something allocated later pins stays in the heap either way.)"""
+    result = _probe("keep", _clean_environment())
+    assert result["default"][0] == 1
+    assert result["threshold"] in (allocator.KEEP_BELOW, allocator.OLD_GLIBC_MAX)
+    for where in ("main", "thread"):
+        mapped, free_after = result[where]
+        assert mapped == 0, where
+        assert free_after >= result["size"], where
+    assert result["environ"] == {"MALLOC_MMAP_THRESHOLD_": str(result["threshold"]),
+                                 "MALLOC_TRIM_THRESHOLD_": str(2**64 - 1),
+                                 "MALLOC_ARENA_MAX": "1"}
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_a_process_started_after_it_runs_under_the_same_settings():
+    """A child inherits the settings through the environment alone: its 256 MiB blocks come
+    from the heap in every thread, and its own call sets nothing (the environment decides)."""
+    kept = _probe("keep", _clean_environment())
+    if kept["threshold"] != allocator.KEEP_BELOW:
+        pytest.skip("this glibc takes no mmap threshold above 32 MiB")
+    child = _probe("child", _clean_environment() | kept["environ"])
+    assert child["default"][0] == 0 and child["main"][0] == 0 and child["thread"][0] == 0
+    assert child["again"] is None
+
+
+class _FakeLibc:
+    def __init__(self, refuse: tuple[tuple[int, int], ...] = ()) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.refuse = refuse
+
+    def mallopt(self, option: int, value: int) -> int:
+        self.calls.append((option, value))
+        return 0 if (option, value) in self.refuse else 1
+
+
+@pytest.fixture
+def fake_libc(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX",
+                 "GLIBC_TUNABLES", "LD_PRELOAD"):
         monkeypatch.delenv(name, raising=False)
-    libc = _libc()
-    assert allocator.keep_freed_memory()
-    size = 256 << 20
-    before = libc.mallinfo2()
-    block = libc.malloc(size)
-    assert block
-    try:
-        held = libc.mallinfo2()
-        assert held.hblks == before.hblks  # no mapping of its own
-        assert held.uordblks >= before.uordblks + size
-    finally:
-        libc.free(block)
-    freed = libc.mallinfo2()
-    assert freed.fordblks >= size  # kept in the heap, not trimmed
-    assert freed.arena >= size
+    libc = _FakeLibc()
+    monkeypatch.setattr(allocator, "_libc", lambda: libc)
+    monkeypatch.setattr(allocator.os, "environ", dict(os.environ))  # (the export stays here)
+    return libc
 
 
-@pytest.mark.parametrize("name", allocator._USER_SETTINGS)
-def test_glibcs_own_settings_in_the_environment_win(monkeypatch, name):
-    monkeypatch.setenv(name, "131072")
-    calls = []
-    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *a: calls.append(a))
-    assert not allocator.keep_freed_memory()
-    assert not calls
+@pytest.mark.parametrize("name, value", [
+    ("MALLOC_MMAP_THRESHOLD_", "131072"), ("MALLOC_TRIM_THRESHOLD_", "131072"),
+    ("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+    ("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
+])
+def test_the_environments_own_settings_win(fake_libc, name, value):
+    allocator.os.environ[name] = value
+    assert allocator.keep_freed_memory() is None
+    assert not fake_libc.calls
+
+
+def test_an_unrelated_tunable_does_not_stop_it(fake_libc):
+    allocator.os.environ["GLIBC_TUNABLES"] = "glibc.pthread.rseq=0"
+    assert allocator.keep_freed_memory() == allocator.KEEP_BELOW
+    assert fake_libc.calls == [(-3, allocator.KEEP_BELOW), (-1, -1), (-8, 1)]
+
+
+def test_an_older_glibc_gets_its_largest_threshold(fake_libc):
+    """glibc before 2.35 refuses an mmap threshold above 32 MiB: the rest is set all the same,
+    with 32 MiB, and that is what the environment carries."""
+    fake_libc.refuse = ((-3, allocator.KEEP_BELOW),)
+    assert allocator.keep_freed_memory() == allocator.OLD_GLIBC_MAX
+    assert fake_libc.calls[1:] == [(-3, allocator.OLD_GLIBC_MAX), (-1, -1), (-8, 1)]
+    assert allocator.os.environ["MALLOC_MMAP_THRESHOLD_"] == str(allocator.OLD_GLIBC_MAX)
+
+
+def test_a_refused_setting_exports_nothing(fake_libc):
+    fake_libc.refuse = ((-8, 1),)
+    assert allocator.keep_freed_memory() is None
+    assert "MALLOC_ARENA_MAX" not in allocator.os.environ
 
 
 def test_nothing_is_set_where_the_c_library_is_not_glibc(monkeypatch):
-    for name in allocator._USER_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(allocator.platform, "libc_ver", lambda *a, **k: ("musl", "1.2"))
-    calls = []
-    monkeypatch.setattr(allocator.ctypes, "CDLL", lambda *a: calls.append(a))
-    assert not allocator.keep_freed_memory()
-    assert not calls
+    monkeypatch.setattr(allocator, "_libc", lambda: None)
+    assert allocator.keep_freed_memory() is None
+    allocator.release_freed_memory()  # (nothing to hand back: no error)
+
+
+def test_every_command_runs_with_it(monkeypatch):
+    """`run_command`, which all four command lines go through, sets it before the command."""
+    order: list[str] = []
+    monkeypatch.setattr(commands, "keep_freed_memory", lambda: order.append("malloc"))
+    args = argparse.Namespace(run=lambda a: order.append("command") or 0)
+    assert commands.run_command("ovt", args) == 0
+    assert order == ["malloc", "command"]
