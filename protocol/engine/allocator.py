@@ -8,19 +8,21 @@ allocates the same sizes every step, so the next tensor of that size takes fresh
 first touch of each page (a fault, the kernel zeroing it) can cost more than the arithmetic on
 it. `keep_freed_memory` makes every thread allocate from the main heap (`M_ARENA_MAX` 1), takes
 blocks under `KEEP_BELOW` from it and never trims it, so a freed block is reused where it lies.
-Measured here (bench/README.md, "malloc"): at GPT-2 width a record step takes 3.31 s instead
-of 5.64 s and a plain float64 one 2.50 s instead of 3.36 s, a record process peaking at
-3,011 MiB instead of 2,819; the image CNN's plain float64 step, in a process of its own, takes
-101 ms instead of 213–231 ms. Deployments otherwise get this from jemalloc or tcmalloc. It
-changes no bits: allocation is not arithmetic.
+Measured here (bench/README.md, issue 13's fifth round): at GPT-2 width a record step takes
+3.31 s instead of 5.64 s and a plain float64 one 2.50 s instead of 3.36 s, a record process
+peaking at 3,011 MiB instead of 2,819; in a process of one image-CNN executor a record step
+takes 157 ms instead of 234 and a plain float64 one 104 ms instead of 208. Deployments
+otherwise get this from jemalloc or tcmalloc. It changes no bits: allocation is not arithmetic.
 
 ovt's own processes set it when they start (`protocol.cli.commands.run_command`), and the
 settings are also put in the environment as glibc's own variables, so that every process they
 start (data-parallel and audit workers, a replay check's other side) runs under the same ones;
-importing ovt as a library changes nothing. Where the C library is not glibc, or the
+importing ovt as a library changes nothing (but `JobQueue`, the daemons' job runner, trims
+between jobs all the same). Where the C library is not glibc, or the
 environment already holds glibc malloc settings (a user's choice, or a parent's) or preloads
 another malloc, nothing is set. A daemon hands its free memory back between jobs
-(`release_freed_memory`), so that an idle one does not hold its last job's peak.
+(`release_freed_memory`), so that an idle one does not hold its last job's peak; within a job
+the heap stays at the job's peak.
 """
 
 from __future__ import annotations
