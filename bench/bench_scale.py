@@ -55,7 +55,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
-from protocol.engine.allocator import keep_freed_memory
+from protocol.engine.allocator import environment_decides, keep_freed_memory
 from protocol.engine.bounds import dense_bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
@@ -535,7 +535,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "malloc": "freed memory kept (allocator.py)" if kept else "glibc's defaults",
+        "malloc": "freed memory kept (allocator.py)" if kept else
+        "the environment's settings" if environment_decides() else "glibc's defaults",
         "loadavg_start": os.getloadavg()[0],
     }
     started = time.perf_counter()

@@ -40,7 +40,7 @@ import torch
 from protocol.codec.roundinglog import encode_log, size_report
 from protocol.codec.state import state_digest
 from protocol.engine import fused
-from protocol.engine.allocator import keep_freed_memory
+from protocol.engine.allocator import environment_decides, keep_freed_memory
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -342,7 +342,8 @@ def main(argv=None) -> int:
                                                       + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
-        "malloc": "freed memory kept (allocator.py)" if kept else "glibc's defaults",
+        "malloc": "freed memory kept (allocator.py)" if kept else
+        "the environment's settings" if environment_decides() else "glibc's defaults",
         "fused": "yes" if fused.ENABLED
         else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})",
     }

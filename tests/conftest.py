@@ -9,16 +9,18 @@ import pytest
 
 from protocol.cli import commands
 from protocol.commit.keys import KeyPair
+from protocol.job import queue
 from tests.auditor_node.daemon import AuditorDaemon, Auditors
 
 
 @pytest.fixture(autouse=True)
 def _test_process_malloc_untouched(monkeypatch):
-    """A command run in this process (`main(argv)`) leaves its malloc and environment as they
-    are: `allocator.keep_freed_memory` is process-wide and cannot be undone, so it is tested in
-    processes of its own (tests/protocol/engine/test_allocator.py). Daemons started as
-    processes call it as they would anywhere."""
+    """A command run in this process (`main(argv)`), or a job queue, leaves its malloc and
+    environment as they are: `allocator.keep_freed_memory` is process-wide and cannot be
+    undone, so it is tested in processes of its own (tests/protocol/engine/test_allocator.py).
+    Daemons started as processes call it as they would anywhere."""
     monkeypatch.setattr(commands, "keep_freed_memory", lambda: None)
+    monkeypatch.setattr(queue, "release_freed_memory", lambda: None)
 
 
 @pytest.fixture

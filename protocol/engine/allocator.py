@@ -6,8 +6,10 @@ it goes; in a thread's own arena, from the arena's 64 MiB heap size whatever the
 where it lies at the top of the heap beyond `M_TRIM_THRESHOLD`. A training step frees and
 allocates the same sizes every step, so the next tensor of that size takes fresh pages, and the
 first touch of each page (a fault, the kernel zeroing it) can cost more than the arithmetic on
-it. `keep_freed_memory` makes every thread allocate from the main heap (`M_ARENA_MAX` 1), takes
-blocks under `KEEP_BELOW` from it and never trims it, so a freed block is reused where it lies.
+it. `keep_freed_memory` makes every thread started after it allocate from the main heap
+(`M_ARENA_MAX` 1: a thread already on an arena of its own keeps it, so call it first), takes
+blocks under `KEEP_BELOW` from it (`OLD_GLIBC_MAX` before glibc 2.35) and never trims it, so a
+freed block is reused where it lies.
 Measured here (bench/README.md, issue 13's fifth round): at GPT-2 width a record step takes
 3.31 s instead of 5.64 s and a plain float64 one 2.50 s instead of 3.36 s, a record process
 peaking at 3,011 MiB instead of 2,819; in a process of one image-CNN executor a record step
@@ -15,14 +17,13 @@ takes 157 ms instead of 234 and a plain float64 one 104 ms instead of 208. Deplo
 otherwise get this from jemalloc or tcmalloc. It changes no bits: allocation is not arithmetic.
 
 ovt's own processes set it when they start (`protocol.cli.commands.run_command`), and the
-settings are also put in the environment as glibc's own variables, so that every process they
-start (data-parallel and audit workers, a replay check's other side) runs under the same ones;
-importing ovt as a library changes nothing (but `JobQueue`, the daemons' job runner, trims
-between jobs all the same). Where the C library is not glibc, or the
-environment already holds glibc malloc settings (a user's choice, or a parent's) or preloads
-another malloc, nothing is set. A daemon hands its free memory back between jobs
-(`release_freed_memory`), so that an idle one does not hold its last job's peak; within a job
-the heap stays at the job's peak.
+settings also go into the environment as glibc's own variables, so that every process they
+start (data-parallel and audit workers, a replay check's other side) runs under the same ones.
+Where the C library is not glibc, or the environment already holds glibc malloc settings (a
+user's choice, or a parent's) or preloads another malloc, nothing is set; importing ovt as a
+library sets nothing either. Within a job the heap stays at the job's peak; the daemons' job
+runner (`JobQueue`) hands the free part back between jobs (`release_freed_memory`), so that an
+idle daemon does not hold its last job's peak.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ OLD_GLIBC_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc took before 2.35
 # glibc's <malloc.h> parameter numbers
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _TRIM_NEVER = -1  # mallopt(3): "Setting M_TRIM_THRESHOLD to -1 disables trimming completely"
-_SIZE_MAX = 2**64 - 1  # the same in the environment, where the value is a size_t
+_SIZE_MAX = ctypes.c_size_t(-1).value  # the same in the environment, where it is a size_t
 
 _ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
@@ -46,16 +47,19 @@ _ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_AREN
 def keep_freed_memory() -> int | None:
     """Set glibc's `M_ARENA_MAX` to 1, `M_MMAP_THRESHOLD` to `KEEP_BELOW` (`OLD_GLIBC_MAX`
     where glibc takes no more) and turn trimming off, for the rest of the process, and put the
-    same settings in `os.environ` for the processes it starts (module docstring). Returns the
-    mmap threshold set, or None where nothing was: the C library is not glibc, the environment
-    holds glibc malloc settings or preloads another malloc, or glibc refused a setting."""
+    same settings in `os.environ` for the processes it starts (module docstring); call it
+    before other threads allocate. Returns the mmap threshold set, or None where nothing was
+    exported: the C library is not glibc, the environment decides (`environment_decides`), or
+    glibc refused a setting (those before it stay set; glibc refuses none of them but an mmap
+    threshold it finds too large, and then takes `OLD_GLIBC_MAX`)."""
     libc = _libc()
-    if libc is None or _user_settings():
+    if libc is None or environment_decides():
+        return None
+    if libc.mallopt(_M_ARENA_MAX, 1) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER) != 1:
         return None
     threshold = next((value for value in (KEEP_BELOW, OLD_GLIBC_MAX)
                       if libc.mallopt(_M_MMAP_THRESHOLD, value) == 1), None)
-    if threshold is None or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_NEVER) != 1 or \
-            libc.mallopt(_M_ARENA_MAX, 1) != 1:
+    if threshold is None:
         return None
     os.environ.update({"MALLOC_MMAP_THRESHOLD_": str(threshold),
                        "MALLOC_TRIM_THRESHOLD_": str(_SIZE_MAX), "MALLOC_ARENA_MAX": "1"})
@@ -71,9 +75,10 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def _user_settings() -> bool:
-    """Whether the environment already decides: glibc's malloc variables, a malloc tunable, or
-    a preloaded malloc (jemalloc, tcmalloc, mimalloc: their names end in "malloc")."""
+def environment_decides() -> bool:
+    """Whether the environment already decides malloc's settings: one of the glibc variables
+    set here (a user's own, or inherited from an ovt process), a `glibc.malloc.` tunable, or a
+    preloaded malloc (jemalloc, tcmalloc, mimalloc: their names end in "malloc")."""
     return any(name in os.environ for name in _ENVIRONMENT) or \
         "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or \
         "malloc" in os.environ.get("LD_PRELOAD", "")

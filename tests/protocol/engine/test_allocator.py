@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[3]
 # Run in a fresh interpreter: mallinfo2's counts around a malloc of `size` bytes, in the main
 # thread or a new one; prints one JSON line per check.
 _PROBE = textwrap.dedent('''
-    import ctypes, json, sys, threading
+    import ctypes, json, subprocess, sys, threading
     import torch
     torch.ones(1 << 16).sum()  # (torch's own threads exist, as in any step)
     from protocol.engine import allocator
@@ -62,6 +62,10 @@ _PROBE = textwrap.dedent('''
         checks.update(threshold=threshold, size=size, main=block(size),
                       thread=in_thread(size), environ={k: v for k, v in __import__("os")
                       .environ.items() if k.startswith("MALLOC_")})
+        child = subprocess.run([sys.executable, "-c", sys.argv[2], "child"],
+                               capture_output=True, text=True, timeout=120)  # (os.environ)
+        assert child.returncode == 0, child.stderr[-2000:]
+        checks["child"] = json.loads(child.stdout.strip().splitlines()[-1])
     else:  # a child: the settings come from the environment alone
         checks.update(again=allocator.keep_freed_memory(), main=block(256 << 20),
                       thread=in_thread(256 << 20))
@@ -69,49 +73,48 @@ _PROBE = textwrap.dedent('''
 ''')
 
 
-def _probe(mode: str, env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=ROOT, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def kept() -> dict:
+    """The probe's checks in a fresh interpreter with no malloc settings in its environment,
+    which calls `keep_freed_memory` and then starts the probe again as its child."""
+    if not GLIBC:
+        pytest.skip("glibc's malloc only")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    run = subprocess.run([sys.executable, "-c", _PROBE, "keep", _PROBE], capture_output=True,
+                         text=True, timeout=240, env=env | {"PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
     return result
 
 
-def _clean_environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    return env | {"PYTHONPATH": str(ROOT)}
-
-
-@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_large_blocks_come_from_the_heap_and_stay_there():
+def test_large_blocks_come_from_the_heap_and_stay_there(kept):
     """With glibc's defaults a 256 MiB block is a mapping of its own (glibc's threshold never
     passes 32 MiB), unmapped when freed. After `keep_freed_memory` a large block comes from the
     heap, in the main thread and in a thread started later (which would otherwise get an arena
     of its own, whose heaps hold 64 MiB at most), and once freed its memory is free heap for
     the next allocation. (That trimming is turned off is the fake-libc tests' to check: a
     block that something allocated later pins stays in the heap either way.)"""
-    result = _probe("keep", _clean_environment())
-    assert result["default"][0] == 1
-    assert result["threshold"] in (allocator.KEEP_BELOW, allocator.OLD_GLIBC_MAX)
+    assert kept["default"][0] == 1
+    assert kept["threshold"] in (allocator.KEEP_BELOW, allocator.OLD_GLIBC_MAX)
     for where in ("main", "thread"):
-        mapped, free_after = result[where]
+        mapped, free_after = kept[where]
         assert mapped == 0, where
-        assert free_after >= result["size"], where
-    assert result["environ"] == {"MALLOC_MMAP_THRESHOLD_": str(result["threshold"]),
-                                 "MALLOC_TRIM_THRESHOLD_": str(2**64 - 1),
-                                 "MALLOC_ARENA_MAX": "1"}
+        assert free_after >= kept["size"], where
+    assert kept["environ"] == {"MALLOC_MMAP_THRESHOLD_": str(kept["threshold"]),
+                               "MALLOC_TRIM_THRESHOLD_": str(2**64 - 1),
+                               "MALLOC_ARENA_MAX": "1"}
 
 
-@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
-def test_a_process_started_after_it_runs_under_the_same_settings():
-    """A child inherits the settings through the environment alone: its 256 MiB blocks come
-    from the heap in every thread, and its own call sets nothing (the environment decides)."""
-    kept = _probe("keep", _clean_environment())
+def test_a_process_it_starts_runs_under_the_same_settings(kept):
+    """The probe's own child, started with the environment as the call left it: its 256 MiB
+    blocks come from the heap in every thread (glibc read the settings at its start), and its
+    own call sets nothing (the environment decides)."""
     if kept["threshold"] != allocator.KEEP_BELOW:
         pytest.skip("this glibc takes no mmap threshold above 32 MiB")
-    child = _probe("child", _clean_environment() | kept["environ"])
+    child = kept["child"]
     assert child["default"][0] == 0 and child["main"][0] == 0 and child["thread"][0] == 0
     assert child["again"] is None
 
@@ -151,7 +154,7 @@ def test_the_environments_own_settings_win(fake_libc, name, value):
 def test_an_unrelated_tunable_does_not_stop_it(fake_libc):
     allocator.os.environ["GLIBC_TUNABLES"] = "glibc.pthread.rseq=0"
     assert allocator.keep_freed_memory() == allocator.KEEP_BELOW
-    assert fake_libc.calls == [(-3, allocator.KEEP_BELOW), (-1, -1), (-8, 1)]
+    assert fake_libc.calls == [(-8, 1), (-1, -1), (-3, allocator.KEEP_BELOW)]
 
 
 def test_an_older_glibc_gets_its_largest_threshold(fake_libc):
@@ -159,7 +162,8 @@ def test_an_older_glibc_gets_its_largest_threshold(fake_libc):
     with 32 MiB, and that is what the environment carries."""
     fake_libc.refuse = ((-3, allocator.KEEP_BELOW),)
     assert allocator.keep_freed_memory() == allocator.OLD_GLIBC_MAX
-    assert fake_libc.calls[1:] == [(-3, allocator.OLD_GLIBC_MAX), (-1, -1), (-8, 1)]
+    assert fake_libc.calls == [(-8, 1), (-1, -1), (-3, allocator.KEEP_BELOW),
+                               (-3, allocator.OLD_GLIBC_MAX)]
     assert allocator.os.environ["MALLOC_MMAP_THRESHOLD_"] == str(allocator.OLD_GLIBC_MAX)
 
 
