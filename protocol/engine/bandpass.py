@@ -87,20 +87,25 @@ def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | 
     return torch.nan_to_num(e, nan=math.inf, posinf=math.inf)  # (bounds are never negative)
 
 
-def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy
+def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy,
+               out: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                           torch.Tensor | None]:
     """(r, candidates, e at them, values at them) of one result `y` of a site, `flat` its values
-    in logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype, the
-    sorted indices into `flat` that may lie in the band (`precision.band_candidates`), their
-    bounds (float64) and `flat` there. The last three are None where there is no candidate."""
+    in logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype —
+    written to `out` where it is given (a 1-D target-dtype tensor of `flat`'s elements: a
+    part's destination, which saves a copy), else a new tensor — the sorted indices into `flat`
+    that may lie in the band (`precision.band_candidates`), their bounds (float64) and `flat`
+    there. The last three are None where there is no candidate."""
     if bound is None or not flat.numel():
-        return flat.to(policy.target), None, None, None
-    if _fused_serves(flat, policy):
+        return _nearest(flat, policy, out), None, None, None
+    if _fused_serves(flat, policy) and (out is None or out.is_contiguous()):
         spec = _flat_bound(y, bound)
-        r, cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), spec.mode, spec.m,
-                                                   spec.col, spec.add, spec.inner, spec.rows,
-                                                   spec.scale, spec.floor)
+        r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
+                                                    device=flat.device)
+        cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), r, spec.mode, spec.m,
+                                                spec.col, spec.add, spec.inner, spec.rows,
+                                                spec.scale, spec.floor)
         if not cand.numel():
             return r, None, None, None
         return r, cand, ev, yv
@@ -108,8 +113,15 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
     assert e is not None
     cand = band_candidates(flat, e, policy)
     if not cand.numel():
-        return flat.to(policy.target), None, None, None
-    return flat.to(policy.target), cand, e[cand].to(torch.float64), flat[cand]
+        return _nearest(flat, policy, out), None, None, None
+    return _nearest(flat, policy, out), cand, e[cand].to(torch.float64), flat[cand]
+
+
+def _nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None
+             ) -> torch.Tensor:
+    """`flat` rounded to nearest-even in the target dtype, into `out` where it is given (a
+    cast by `copy_` rounds as `to` does)."""
+    return flat.to(policy.target) if out is None else out.copy_(flat)
 
 
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,

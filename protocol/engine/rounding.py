@@ -165,18 +165,18 @@ class SiteRecorder(_RoundsInParts):
         found: list[_Candidates] = []
         for parts in results:
             for y, b, out in parts:
-                out.copy_(self._round_part(site, offset, y, b, found))
+                self._round_part(site, offset, y, b, found, out)
                 offset += y.numel()
         assert offset == numel, f"{op}: parts of {offset} elements for a site of {numel}"
         self._candidates.extend(found)
         self._numels.append(offset)
 
     def _round_part(self, site: int, offset: int, y: torch.Tensor, b: Bound,
-                    found: list[_Candidates]) -> torch.Tensor:
-        """`y` (the site's elements from `offset`) rounded to nearest-even, flat; its band
-        candidates noted in `found`."""
+                    found: list[_Candidates], out: torch.Tensor | None = None) -> torch.Tensor:
+        """`y` (the site's elements from `offset`) rounded to nearest-even, flat (written to
+        `out` where it is given: `round_band`); its band candidates noted in `found`."""
         flat = y.reshape(-1)
-        r, cand, ev, yv = round_band(flat, y, b, self.policy)
+        r, cand, ev, yv = round_band(flat, y, b, self.policy, out)
         if cand is not None and ev is not None and yv is not None:
             found.append((site, cand + offset if offset else cand, yv, ev))
         return r

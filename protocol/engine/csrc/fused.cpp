@@ -2,7 +2,8 @@
 // of its input computing what a sequence of torch ops computes, the same bits (checked by
 // tests/protocol/engine/test_bandpass.py):
 // - round_band, the recorder's band pass (SPEC §3.2): a site's float64 values give their
-//   float32 roundings, the flat indices that may lie in the band, and their bounds and values,
+//   float32 roundings (written to the caller's `r`: a part's destination, or a new tensor),
+//   the flat indices that may lie in the band, and their bounds and values,
 //   with each element's bound e = scale·base + floor computed on the way
 //   (protocol/engine/bounds.py, `Affine`), as
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
@@ -387,16 +388,18 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> round_band(
-    const at::Tensor& y, int64_t mode, const c10::optional<at::Tensor>& m,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> round_band(
+    const at::Tensor& y, const at::Tensor& r, int64_t mode, const c10::optional<at::Tensor>& m,
     const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
     int64_t rows, double scale, double floor) {
   TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
                   y.device().is_cpu(),
               "round_band: y must be a 1-D contiguous float64 CPU tensor");
   const int64_t n = y.numel();
+  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
+                  r.device().is_cpu() && r.numel() == n,
+              "round_band: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
   const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, "round_band");
-  at::Tensor r = at::empty({n}, y.options().dtype(at::kFloat));
   const double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
   const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
@@ -420,7 +423,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> round_band(
     bp[k] = bound_at(s, yp, cp[k]);
     vp[k] = yp[cp[k]];
   }
-  return {r, candidates, bounds, values};
+  return {candidates, bounds, values};
 }
 
 // float32's ULP just above |r| (precision.py `target_ulp`): 2**E of r's binade, the subnormal
@@ -647,8 +650,8 @@ void philox(uint32_t key0, uint32_t key1, uint64_t first_block, int64_t blocks, 
 
 TORCH_LIBRARY(ovt, lib) {
   lib.def(
-      "round_band(Tensor y, int mode, Tensor? m, Tensor? col, Tensor? add, int inner, int rows, "
-      "float scale, float floor) -> (Tensor, Tensor, Tensor, Tensor)");
+      "round_band(Tensor y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
+      "int inner, int rows, float scale, float floor) -> (Tensor, Tensor, Tensor)");
   lib.def(
       "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> (Tensor, bool)");

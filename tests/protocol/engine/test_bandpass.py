@@ -133,6 +133,28 @@ def test_the_fused_pass_gives_the_bits_of_the_torch_ops(seed, monkeypatch):
             assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("passes", ["fused", "torch"])
+def test_a_given_destination_gets_the_bits_of_a_new_one(seed, passes, monkeypatch):
+    """`round_band(..., out=)` (the parts path's destination) writes the rounding there, the
+    bits `round_band` returns without one, with the same candidates, and hands `out` back; on
+    either pass, into a contiguous destination and (the torch ops: any) a strided one."""
+    monkeypatch.setattr(fused, "ENABLED", passes == "fused" and fused.ENABLED)
+    for name, y, bound in sites(seed):
+        flat = y.reshape(-1)
+        r, cand, e, values = round_band(flat, y, bound, POLICY)
+        for out in (torch.full((flat.numel(),), math.nan, dtype=torch.float32),
+                    torch.full((2 * flat.numel(),), math.nan, dtype=torch.float32)[::2]):
+            r2, cand2, e2, values2 = round_band(flat, y, bound, POLICY, out)
+            assert r2 is out, name
+            assert torch.equal(out.view(torch.int32), r.view(torch.int32)), name
+            assert (cand is None) == (cand2 is None), name
+            if cand is not None:
+                assert torch.equal(cand, cand2), name
+                assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+                assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+
+
 @needs_fused
 def test_the_sites_reach_every_branch(monkeypatch):
     """The equality above means something: candidates exist in every bounded site, zeros are
