@@ -55,7 +55,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, decode_log, encode_log
 from protocol.codec.state import decode_state, encode_state, state_digest
-from protocol.engine.allocator import environment_decides, keep_freed_memory
+from protocol.engine import allocator
 from protocol.engine.bounds import dense_bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
@@ -503,7 +503,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.full:
         args.preset = "gpt2-small"
-    kept = not args.malloc_defaults and keep_freed_memory()
+    kept = None if args.malloc_defaults else allocator.keep_freed_memory()
     if args._memory_probe:
         return memory_probe(args)
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
@@ -535,8 +535,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "malloc": "freed memory kept (allocator.py)" if kept else
-        "the environment's settings" if environment_decides() else "glibc's defaults",
+        "malloc": allocator.describe(kept),
         "loadavg_start": os.getloadavg()[0],
     }
     started = time.perf_counter()

@@ -39,8 +39,7 @@ import torch
 
 from protocol.codec.roundinglog import encode_log, size_report
 from protocol.codec.state import state_digest
-from protocol.engine import fused
-from protocol.engine.allocator import environment_decides, keep_freed_memory
+from protocol.engine import allocator, fused
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -317,7 +316,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0, --threads >= 1")
-    kept = not args.malloc_defaults and keep_freed_memory()
+    kept = None if args.malloc_defaults else allocator.keep_freed_memory()
 
     profile = Profile(f"cpu-{args.threads}t", threads=args.threads)
     replay_profile = Profile.parse(args.replay_profile) if args.replay_profile else profile
@@ -342,8 +341,7 @@ def main(argv=None) -> int:
                                                       + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
-        "malloc": "freed memory kept (allocator.py)" if kept else
-        "the environment's settings" if environment_decides() else "glibc's defaults",
+        "malloc": allocator.describe(kept),
         "fused": "yes" if fused.ENABLED
         else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})",
     }

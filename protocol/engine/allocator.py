@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import platform
 
 KEEP_BELOW = 1 << 30  # bytes: blocks under 1 GiB come from the heap, not mappings of their own
 OLD_GLIBC_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc took before 2.35
@@ -84,14 +83,23 @@ def environment_decides() -> bool:
         "malloc" in os.environ.get("LD_PRELOAD", "")
 
 
+def describe(kept: int | None) -> str:
+    """What a benchmark's header says of its malloc, given what `keep_freed_memory` returned."""
+    if kept:
+        return "freed memory kept (allocator.py)"
+    return "the environment's settings" if environment_decides() else "glibc's defaults"
+
+
 @functools.cache
 def _libc():
-    """glibc, with the two functions used here declared; None where it is not the C library."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+    """glibc, with the two functions used here declared; None where it is not the C library
+    (the running process's, as `confstr` reports it)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        version = os.confstr("CS_GNU_LIBC_VERSION")
+        libc = ctypes.CDLL("libc.so.6") if version and version.startswith("glibc") else None
+    except (ValueError, OSError):  # (no such name here; no libc.so.6)
+        return None
+    if libc is None:
         return None
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ import pytest
 from protocol.cli import commands
 from protocol.engine import allocator
 
-GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+GLIBC = allocator._libc() is not None
 ROOT = Path(__file__).resolve().parents[3]
 
 # Run in a fresh interpreter: mallinfo2's counts around a malloc of `size` bytes, in the main
