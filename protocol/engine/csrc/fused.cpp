@@ -59,6 +59,7 @@ constexpr int64_t kAbsMask = 0x7FFFFFFFFFFFFFFFLL;
 constexpr int64_t kMinNormalBits = int64_t{1023 - 126} << 52;
 constexpr double kBandScale = 18014398509481984.0;  // 2**54
 constexpr double kZeroBand = 0x1p-151;  // a zero is in the band from e = this (precision.py)
+constexpr double kZeroBand54 = 0x1p-97;  // kZeroBand · 2**54
 constexpr int64_t kTwo52Bits = 0x4330000000000000LL;  // the bits of 2**52
 constexpr int64_t kInfBits = 0x7FF0000000000000LL;   // the bits of +inf
 constexpr int64_t kGrain = 1 << 15;                  // elements per chunk of work
@@ -104,11 +105,11 @@ inline double bound_at(const Spec& s, const double* y, int64_t i) {
   return e == -INFINITY ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
 }
 
-// Whether y may lie within 2e of a rounding boundary: precision.py `band_candidates`, the same
-// operations in the same order. Branch-free, so that the loops calling it vectorise; its
-// comparisons are negated so that a NaN bound (which certifies nothing) lands in the band;
-// a NaN or infinite y never does (no rounding choice).
-__attribute__((always_inline)) inline int64_t in_band(double y, double e) {
+// Whether y may lie within 2e of a rounding boundary, given e54 = e·2**54: precision.py
+// `band_candidates`, the same decisions (below). Branch-free, so that the loops calling it
+// vectorise; its comparisons are negated so that a NaN bound (which certifies nothing) lands in
+// the band; a NaN or infinite y never does (no rounding choice).
+__attribute__((always_inline)) inline int64_t in_band(double y, double e54) {
   const int64_t bits = __builtin_bit_cast(int64_t, y);
   // y's position inside its float32 ULP in compute ULPs, the low 29 bits as a number (exact:
   // (2**52 + low) - 2**52), and 2**E of y's binade (0 below normals): `far` is 2**52 times
@@ -120,11 +121,22 @@ __attribute__((always_inline)) inline int64_t in_band(double y, double e) {
   // below float32's smallest normal the ULP differs: a candidate, except a zero under e < 2^-151
   const int64_t small = magnitude < kMinNormalBits;
   const int64_t small_keep =
-      static_cast<int64_t>(magnitude != 0) | static_cast<int64_t>(!(e < kZeroBand));
+      static_cast<int64_t>(magnitude != 0) | static_cast<int64_t>(!(e54 < kZeroBand54));
   const int64_t normal_keep =
-      static_cast<int64_t>(!(far > e * kBandScale)) & static_cast<int64_t>(magnitude < kExpMask);
+      static_cast<int64_t>(!(far > e54)) & static_cast<int64_t>(magnitude < kExpMask);
   // e = 0: a correctly rounded result, never in the band
-  return static_cast<int64_t>(!(e <= 0)) & ((small & small_keep) | ((1 - small) & normal_keep));
+  return static_cast<int64_t>(!(e54 <= 0)) & ((small & small_keep) | ((1 - small) & normal_keep));
+}
+
+// e·2**54 for e = t + floor, t = scale·base (two roundings, as in torch), given
+// floor54 = floor·2**54: t·2**54 + floor54, so that no operand is subnormal where t is normal.
+// A rule's floor is a few compute-dtype subnormals, and adding one to every element cost a
+// microcode assist each (10x the pass's time). The band test decides alike: where t + floor is
+// normal, scaling by 2**54 is exact on both sides of the sum (the same bits, times 2**54); where
+// it is subnormal, e54 is zero exactly when e is (t and floor are both non-negative), and
+// otherwise both lie below 2**-968 and 2**-97, where `far` is either 0 or at least 2**-155.
+__attribute__((always_inline)) inline double scaled_bound(double t, double floor54) {
+  return t * kBandScale + floor54;
 }
 
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
@@ -136,18 +148,19 @@ __attribute__((always_inline)) inline void scan_range(const double* y, float* r,
                                                       int64_t end, double scale, double floor,
                                                       Base base, std::vector<int64_t>& out) {
   constexpr int64_t kBlock = 256;
+  const double floor54 = floor * kBandScale;
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
     int64_t any = 0;
     for (int64_t k = 0; k < n; ++k) {
       const double v = y[b + k];
       r[b + k] = static_cast<float>(v);
-      any |= in_band(v, scale * base(b + k, v) + floor);
+      any |= in_band(v, scaled_bound(scale * base(b + k, v), floor54));
     }
     if (any) {
       for (int64_t k = 0; k < n; ++k) {
         const double v = y[b + k];
-        if (in_band(v, scale * base(b + k, v) + floor)) out.push_back(b + k);
+        if (in_band(v, scaled_bound(scale * base(b + k, v), floor54))) out.push_back(b + k);
       }
     }
   }
