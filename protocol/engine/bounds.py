@@ -646,6 +646,164 @@ def _foreach(inner: RuleFn) -> RuleFn:
     return rule
 
 
+# -- composite ops with own rules (bound rules version 3) ---------------------------------------
+#
+# SPEC §3.2.1 lets an op that would be decomposed carry its own rule, with a proof and a test
+# against an exact reference (tests/protocol/engine/test_composite_bounds.py): the softmax
+# family below, each a row-wise op whose row sums in the compute dtype err by about K·u, far
+# below a target ULP, where its decomposition rounds half a dozen full-size intermediates
+# (issue 13: the decomposed log-softmax over GPT-2's vocabulary took 0.3 s a step), and GELU.
+#
+# Each softmax proof bounds, to first order in u, the error of a family of algorithms: every
+# summation order and blocking; a two-pass kernel (the row maximum M, then Σ exp(x − M)), an
+# online one (a running maximum, the partial sum rescaled by exp(m_old − m_new) as it grows:
+# flash attention's), and the log-sum-exp epilogue exp(x − M − log s); a division or a
+# reciprocal and a multiply; FMA or not. GELU's covers erf and erfc forms in any association.
+# The products of two or more relative errors add less than 2% to the first-order sum
+# (`_SLACK`) wherever that sum is at most 1/128, which `rule_of` checks from the row length
+# (`_COMPOSITE_LIMIT`); beyond it the op is decomposed. The math functions' errors are
+# `_MAX_ULPS`'s (exp, log, div, erf, erfc: n ULPs, at most 2n·u relative).
+
+_SLACK = 1.02
+_COMPOSITE_LIMIT = 1 / 128
+
+
+def _row(x: torch.Tensor, dim: int) -> int:
+    """K, the length of the rows along `dim` (1 for a 0-d tensor)."""
+    return x.shape[dim] if x.dim() else 1
+
+
+def _ulps(ctx, name: str) -> float:
+    return _MAX_ULPS[name] * ctx.ulp_factor
+
+
+def _row_sum_error(ctx, k: int) -> float:
+    """The relative error of a row's Σ_j exp(x_j − M), in units of u, for every algorithm of the
+    family. Two-pass: x_j − M rounds by u·|x_j − M|, which moves exp(x_j − M) by that relative
+    amount; weighted by the terms, Σ_j exp(−d_j)·d_j ≤ (K − 1)/e against s ≥ 1 (the maximum's
+    own term is exp(0) = 1); exp adds 2·n_exp·u per term; the sum, γ_{K−1}. Online: a term
+    enters as exp(x_j − m_j), m_j the running maximum (as above, ≤ K/e), and is rescaled by
+    each later exp(m_old − m_new): the rescale's argument error, summed over the rescales
+    weighted by the partial sums they scale, is at most u·K·Σ Δm·exp(−(M − m_old)) ≤ u·K (a
+    lower Riemann sum of ∫ exp(−z) dz); each rescale's exp and multiply, (2·n_exp + 1)·u, on at
+    most K rescales. In all: u·((2·n_exp + 4)·K + 2·n_exp + 2) covers both."""
+    n_exp = _ulps(ctx, "exp")
+    return (2 * n_exp + 4) * k + 2 * n_exp + 2
+
+
+def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """_softmax(x, dim): y_i = exp(x_i − M) / s, s = Σ_j exp(x_j − M). Relative to y_i: the
+    row sum (`_row_sum_error`); y_i's own exp(x_i − M) (u·|x_i − M| + 2·n_exp·u, or, through
+    exp(x_i − M − log s), 2u·|x_i − M| + (2·n_log + 1)·u·ln K + 2·n_exp·u); the division
+    (2·n_div·u). |x_i − M| ≤ D = −ln(tiny) + 1 wherever y_i is above the compute dtype's
+    smallest subnormal `tiny` (745.1 in float64, 104.3 in float32); where it is not (a masked
+    x_i = −inf among them), every machine's y_i is 0 or a few subnormal units. So
+    e_i = SAFETY·1.02·u·|y_i|·(3·D + R_s + (2·n_log + 1)·ln K + 2·n_exp + 2·n_div), plus
+    (2K + 8) subnormal units: a relative bound, evaluated in the fused band pass."""
+    x, dim = args[0], args[1]
+    k = _row(x, dim)
+    c = 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
+        (2 * _ulps(ctx, "log") + 1) * math.log(k) + 2 * _ulps(ctx, "exp") + 2 * _ulps(ctx, "div")
+    return [Affine(SAFETY * _SLACK * ctx.u * c, SAFETY * (2 * k + 8) * ctx.tiny)]
+
+
+def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """_log_softmax(x, dim): y_i = x_i − M − L, L = log s ∈ [0, ln K]. Absolutely: log ŝ errs by
+    the row sum's relative error R_s·u (`_row_sum_error`) plus log's own 2·n_log·u·L; then
+    either (x_i − M) − L (u·|x_i − M| and u·|y_i|) or x_i − (M + L) (u·(|M| + L) and u·|y_i|).
+    With |x_i − M| = |y_i + L| ≤ |y_i| + ln K: e_i = SAFETY·1.02·u·(2·|y_i| + |M| + R_s +
+    (2·n_log + 2)·ln K), plus (K + 4) subnormal units."""
+    x, dim = args[0], args[1]
+    k = _row(x, dim)
+    scale = SAFETY * _SLACK * ctx.u
+    c = _row_sum_error(ctx, k) + (2 * _ulps(ctx, "log") + 2) * math.log(k)
+    top = x.amax(dim, keepdim=True).abs() if x.numel() else x
+    return [Affine(scale, SAFETY * (k + 4) * ctx.tiny, torch.add(top + c, ys[0].abs(), alpha=2))]
+
+
+def _softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """_softmax_backward_data(g, y, dim, dtype): dx_i = y_i·(g_i − s), s = Σ_j g_j·y_j. Each
+    g_j·y_j of two target values is exact in the compute dtype (twice the target's significand
+    fits; the float32 compute of bfloat16 values may underflow, a subnormal unit each), so ŝ
+    errs by γ_{K−1}·P, P = Σ_j |g_j·y_j| ≥ |s|. Then y_i·(g_i − ŝ) (two roundings, on at most
+    |y_i|·(|g_i| + P)), or g_i·y_i − y_i·ŝ (exact, one rounding, one subtraction), FMA or
+    not: e_i = SAFETY·1.02·u·((K + 5)·|y_i|·P + 3·|g_i·y_i|), plus (K + 4) subnormal units."""
+    g, y, dim = args[0], args[1], args[2]
+    k = _row(y, dim)
+    q = (g * y).abs()
+    p = q.sum(dim, keepdim=True) if q.numel() else q
+    base = torch.add(y.abs().mul_(p * (k + 5)), q, alpha=3)
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny, base)]
+
+
+def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """_log_softmax_backward_data(g, y, dim, dtype): dx_i = g_i − exp(y_i)·s, s = Σ_j g_j. ŝ errs
+    by γ_{K−1}·G, G = Σ_j |g_j|; exp(y_i) by 2·n_exp·u relatively; the product and the
+    subtraction one rounding each, on at most exp(y_i)·G and |g_i| + exp(y_i)·G:
+    e_i = SAFETY·1.02·u·((K + 2·n_exp + 3)·exp(y_i)·G + |g_i|), plus (K + 4) subnormal
+    units. exp(y_i) is computed here in the compute dtype (its own error is within SAFETY)."""
+    g, y, dim = args[0], args[1], args[2]
+    k = _row(y, dim)
+    total = g.abs().sum(dim, keepdim=True) if g.numel() else g
+    base = torch.add(y.exp().mul_(total * (k + 2 * _ulps(ctx, "exp") + 3)), g.abs())
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny, base)]
+
+
+def _gelu_cdf_error(ctx) -> float:
+    """The absolute error of 2·Φ(x) = 1 + erf(x/√2) as GELU kernels compute it, in units of u.
+    x/√2 as x times a rounded 1/√2 errs by 2u·|t| (t = x/√2), which moves erf by at most
+    (2/√π)·e^{−t²}·2u·|t| ≤ (4/√π)·u·max |t|·e^{−t²} < 0.97u; erf's own error is 2·n_erf·u
+    (|erf| ≤ 1) and the add u·|1 + erf| ≤ 2u: 2·n_erf + 3. Through erfc(−t) instead (accurate
+    in the tail): 4·n_erfc + 1 (|erfc| ≤ 2). The larger of the two."""
+    return max(2 * _ulps(ctx, "erf") + 3, 4 * _ulps(ctx, "erfc") + 1)
+
+
+def _gelu(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """gelu(x) (the exact form): y = x·Φ(x) = (x/2)·(1 + erf(x/√2)). x/2 is exact; the product
+    one rounding (u·|y|; 2u·|y| as x·(0.5 + 0.5·erf), the sum rounded first); the
+    cumulative's error (`_gelu_cdf_error`, C) times |x|/2: e_i = SAFETY·1.02·u·(C/2·|x_i| +
+    2·|y_i|), plus 4 subnormal units (a tail result below the normals). Absolute in x: deep in
+    the negative tail, where 1 + erf cancels, the result is tiny and the bound is not — those
+    elements log their values, as they must, since machines differ there."""
+    x = args[0]
+    base = torch.add(ys[0].abs(), x.abs(), alpha=_gelu_cdf_error(ctx) / 4).mul_(2)
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
+
+
+def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """gelu_backward(g, x) (the exact form): dx = g·(Φ(x) + x·φ(x)), φ(x) = e^{−x²/2}/√(2π).
+    Φ errs by C/2·u (`_gelu_cdf_error`); φ by (2·n_exp + 5)·u relatively (x·x exact in the
+    compute dtype, −x²/2 exact or, as −(x/√2)², 3u relative in an argument whose exp moves
+    by 1.5u·x², which times |x|·φ(x) is below 0.7u; two rounded constants and the product),
+    and x·φ(x) one rounding more, on |x|·φ(x) ≤ φ(1) < 0.242; their sum one rounding on
+    |Φ + xφ| < 1.13; the product with g one on |dx|: e_i = SAFETY·1.02·u·(|g_i|·(C/2 +
+    0.242·(2·n_exp + 7) + 1.13) + |dx_i|), plus 4 subnormal units."""
+    g = args[0]
+    c = _gelu_cdf_error(ctx) / 2 + 0.242 * (2 * _ulps(ctx, "exp") + 7) + 1.13
+    base = torch.add(ys[0].abs(), g.abs(), alpha=c)
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
+
+
+def _softmax_terms(args: tuple, kwargs: dict) -> float:
+    """The largest first-order coefficient (in units of u) of the softmax family's rules on
+    rows of `args[0]` along `args[1]`, for `rule_of`'s limit: K·(2·n_exp + 4) at float32's
+    n_exp = 2, plus the constants (|x_i − M| ≤ 745 where exp(x_i − M) does not underflow in
+    float64, 104 in float32)."""
+    return 8 * _row(args[0], args[1]) + 2400
+
+
+def _softmax_backward_terms(args: tuple, kwargs: dict) -> float:
+    """`_softmax_terms` for the backwards, whose rows are those of their output `args[1]`
+    along `args[2]`."""
+    return _softmax_terms(args[1:], kwargs)
+
+
+def _gelu_terms(args: tuple, kwargs: dict) -> float:
+    """GELU's first-order coefficients are constants (at most 50 in float32); its tanh
+    approximation has no own rule (infinite: it is decomposed)."""
+    return 50.0 if kwargs.get("approximate", "none") == "none" else math.inf
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 def _table() -> dict[str, Rule]:
@@ -689,6 +847,20 @@ def _table() -> dict[str, Rule]:
     return table
 
 
+# Composite ops with own rules, and the first-order coefficient `rule_of` limits.
+_COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
+    "_softmax": (Rule("softmax", _softmax), _softmax_terms),
+    "_log_softmax": (Rule("log-softmax", _log_softmax), _softmax_terms),
+    "_softmax_backward_data": (Rule("softmax-backward", _softmax_backward),
+                               _softmax_backward_terms),
+    "_log_softmax_backward_data": (Rule("log-softmax-backward", _log_softmax_backward),
+                                   _softmax_backward_terms),
+    "gelu": (Rule("gelu", _gelu), _gelu_terms),
+    "gelu_": (Rule("gelu", _gelu), _gelu_terms),
+    "gelu_backward": (Rule("gelu-backward", _gelu_backward), _gelu_terms),
+}
+
+
 _RULES = _table()
 _ZERO = _RULES["mul"]
 
@@ -705,11 +877,19 @@ _RULES["avg_pool2d_backward"] = Rule(
     "avg-pool-backward", _linear(lambda args, kwargs, y: _window(args[2]) + 1))
 
 
-def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Rule | None:
-    """The bound rule of one op call, or None (then it is decomposed or refused)."""
+def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
+            unit_roundoff: float = 2.0**-53) -> Rule | None:
+    """The bound rule of one op call, or None (then it is decomposed or refused).
+    `unit_roundoff` is the compute dtype's u: a composite op's rule holds where its
+    first-order error is at most `_COMPOSITE_LIMIT`, which depends on it and the row length
+    (a decision on shapes alone, so every party decides alike)."""
     if func in _PRIMS:
         return _PRIMS[func]
     name = func.overloadpacket.__name__
+    composite = _COMPOSITE.get(name)
+    if composite is not None:
+        own, terms = composite
+        return own if terms(args, kwargs) * unit_roundoff <= _COMPOSITE_LIMIT else None
     rule = _RULES.get(name)
     if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
         return _ZERO  # one IEEE add or subtract: nothing to read

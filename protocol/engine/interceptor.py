@@ -237,7 +237,8 @@ class RoundingMode(TorchDispatchMode):
                 if done is not None:
                     return done[0]
         fixed = plan.fixed
-        rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs)
+        rule = FIXED_FORMULA if fixed else \
+            rule_of(func, args, kwargs, self.policy.unit_roundoff)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
         if rule is not None and rule.elementwise and not fixed and not kwargs:
@@ -484,6 +485,8 @@ class RoundingMode(TorchDispatchMode):
             return wide
         if isinstance(value, float):
             return self._round_scalar(value)
+        if isinstance(value, torch.dtype) and value == target:  # the softmax backwards'
+            return self.policy.compute  # `input_dtype`: the dtype their result is made in
         if isinstance(value, (list, tuple)) and value:
             return type(value)(self._widen(func, v, mutable, writes, found) for v in value)
         return value

@@ -38,8 +38,10 @@ from protocol.errors import ConfigError
 # The version of the bound rules (SPEC §3.2.1) this engine certifies with. A job names it, so a
 # party with other rules refuses the job instead of disagreeing about its bands. Version 2:
 # addcmul, addcdiv and lerp with a scalar weight are fixed formulas with e = 0
-# (`protocol.engine.pointwise`) instead of bounded ATen kernels.
-RULES_VERSION = 2
+# (`protocol.engine.pointwise`) instead of bounded ATen kernels. Version 3: softmax,
+# log-softmax, GELU (its exact form) and their backwards carry own rules (`bounds`,
+# "composite ops") instead of being decomposed, so each is one site where it was half a dozen.
+RULES_VERSION = 3
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute
 # dtype's `.to(target)` must be a single correctly rounded nearest-even conversion, which holds

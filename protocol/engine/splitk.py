@@ -2,7 +2,8 @@
 
 Two GPUs (or a GPU and a CPU) give different bits mainly because their kernels sum products in
 different orders and blockings. `SplitK` reproduces that on one CPU: it splits the reduced
-dimension of each mm / addmm / bmm / convolution (forward and backward) / sum / mean into
+dimension of each mm / addmm / bmm / convolution (forward and backward) / sum / mean (and the
+row sums of the softmax family, computed in another conforming form, as GELU is) into
 `chunks` pieces, reduces each piece with the native kernel, and combines the partial results in
 one of three orders (`ORDERS`), each the shape of a real kernel family:
 
@@ -26,6 +27,7 @@ A chunk count larger than the reduced dimension gives one chunk per element.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
@@ -98,6 +100,11 @@ class SplitK:
             aten.convolution_backward.default: self._convolution_backward,
             aten.sum.dim_IntList: self._sum_dim, aten.sum.default: self._sum_all,
             aten.mean.dim: self._mean_dim, aten.mean.default: self._mean_all,
+            aten._softmax.default: self._softmax,
+            aten._log_softmax.default: self._log_softmax,
+            aten._softmax_backward_data.default: self._softmax_backward,
+            aten._log_softmax_backward_data.default: self._log_softmax_backward,
+            aten.gelu.default: self._gelu, aten.gelu_backward.default: self._gelu_backward,
         }
 
     def __repr__(self) -> str:
@@ -187,6 +194,55 @@ class SplitK:
         if x.numel() < 2 or not (dtype or x.dtype).is_floating_point:
             return func(x, dtype=dtype)
         return self._sum_all(aten.sum.default, x, dtype=dtype) / x.numel()
+
+    # The softmax family, as another machine's kernels compute it: two-pass, the row sums split
+    # and combined in this profile's order, and the other form of each where there is one
+    # (t · (1/s), x − (M + log s), g·y − y·s): algorithms its bound rules cover
+    # (protocol.engine.bounds, "composite ops"). A 0-d input runs natively.
+
+    def _row_sum(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._sum_dim(aten.sum.dim_IntList, t, [dim], True)
+
+    def _softmax(self, func, x, dim, half_to_float):
+        if not x.dim() or half_to_float:
+            return func(x, dim, half_to_float)
+        t = (x - x.amax(dim, keepdim=True)).exp()
+        return t * self._row_sum(t, dim).reciprocal()
+
+    def _log_softmax(self, func, x, dim, half_to_float):
+        if not x.dim() or half_to_float:
+            return func(x, dim, half_to_float)
+        top = x.amax(dim, keepdim=True)
+        return x - (top + self._row_sum((x - top).exp(), dim).log())
+
+    def _softmax_backward(self, func, grad, y, dim, input_dtype):
+        if not y.dim() or input_dtype != grad.dtype:
+            return func(grad, y, dim, input_dtype)
+        product = grad * y
+        return product - y * self._row_sum(product, dim)
+
+    def _log_softmax_backward(self, func, grad, y, dim, input_dtype):
+        if not y.dim() or input_dtype != grad.dtype:
+            return func(grad, y, dim, input_dtype)
+        return grad - y.exp() * self._row_sum(grad, dim)
+
+    # GELU (the exact form) through erfc, as a math library accurate in the tail computes it,
+    # and its backward with exp(−(x/√2)²): forms its bound rules cover.
+
+    def _gelu(self, func, x, *, approximate="none"):
+        if approximate != "none":
+            return func(x, approximate=approximate)
+        return x * (0.5 * torch.special.erfc(x * -_SQRT_HALF))
+
+    def _gelu_backward(self, func, grad, x, *, approximate="none"):
+        if approximate != "none":
+            return func(grad, x, approximate=approximate)
+        t = x * _SQRT_HALF
+        return grad * (0.5 * torch.special.erfc(-t) + x * ((-(t * t)).exp() * _INV_SQRT_2PI))
+
+
+_SQRT_HALF = math.sqrt(0.5)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 
 class ReorderMode(TorchDispatchMode):

@@ -30,11 +30,14 @@ from .conftest import STEPS, audit, log2_bound, settle, tiny_job, train
 # with another setting still serves the log it recorded, which does not fit the honest replay
 # (invalid-log); one whose log and state disagree otherwise replays to another state. A doubled
 # learning rate changes only the update, whose elements lie far inside their certified bands, so
-# the recorded log still fits the honest replay and the state is what differs.
-TRAINING_CHEATS = {"relabel": "invalid-log", "swap-examples": "invalid-log",
-                   "skip-step": "invalid-log", "lr": "wrong-state", "log-invent": "invalid-log",
-                   "swap-checkpoint": "wrong-state", "log-flip": "wrong-state",
-                   "log-drop": "wrong-state"}
+# the recorded log still fits the honest replay and the state is what differs. Other labels
+# change only the loss and the backward pass; where the cheater's log has no entry there that
+# the honest replay finds out of its band (a step of this tiny job may have none), it fits too,
+# and the state differs.
+TRAINING_CHEATS = {"relabel": ("invalid-log", "wrong-state"), "swap-examples": ("invalid-log",),
+                   "skip-step": ("invalid-log",), "lr": ("wrong-state",),
+                   "log-invent": ("invalid-log",), "swap-checkpoint": ("wrong-state",),
+                   "log-flip": ("wrong-state",), "log-drop": ("wrong-state",)}
 POSITIONS = (1, STEPS // 2 + 1, STEPS)
 
 
@@ -61,7 +64,7 @@ def test_a_cheating_trainer_is_at_fault_at_its_step(job, tmp_path, kind, positio
     assert dispute.challenge is not None and dispute.challenge.step == position
     result = settle(dispute)
     _assert_verdict(result, "trainer", position)
-    assert result.verdict.finding == TRAINING_CHEATS[kind]
+    assert result.verdict.finding in TRAINING_CHEATS[kind]
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ def test_text_report_in_process(capsys, tmp_path):
     assert rc == 0, out
     lines = out.splitlines()
     assert lines[0] == "ovt replay-check: image-cnn (its default config), 1 steps, mode ovt"
-    assert lines[1] == "  policy float64->float32, certified bands (bound rules v2)"
+    assert lines[1] == "  policy float64->float32, certified bands (bound rules v3)"
     assert lines[2] == ("  trainer profile cpu-2t (cpu threads=2); auditor profile emulated-gpu "
                         "(cpu threads=2 splitk=1 chunks=3 order=permuted)")
     assert "result: BIT-EXACT — all 1 state hashes equal" in out
@@ -194,7 +194,7 @@ def test_replay_check_json_is_bit_exact(json_runs):
     assert report["steps_compared"] == 3 and report["mode"] == "ovt"
     assert report["trainer_profile"]["name"] == "cpu-2t"
     assert report["auditor_profile"]["describe"] == "cpu threads=2 splitk=1 chunks=3 order=permuted"
-    assert report["policy"] == "float64->float32" and report["bound_rules"] == 2
+    assert report["policy"] == "float64->float32" and report["bound_rules"] == 3
     assert "tau" not in report
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     for s in report["steps"]:

@@ -15,6 +15,8 @@ A trainer records three steps of image-cnn; the auditor replays them with doctor
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -178,15 +180,22 @@ def test_invented_entry_at_a_correctly_rounded_op_is_a_violation(recording):
 
 
 def test_flipped_directions_diverge_at_exactly_that_step(recording):
+    """A flip is a legal choice, so no violation: the state simply is not the one the trainer
+    committed to. Flipped at one of the last sites with direction entries (the backward
+    pass's convolution gradients), the replay completes the step with another hash. (Not at
+    every such site: a 1-ULP change of a few gradient elements can round away in the update;
+    and one upstream of later entries can move those out of their bands, a violation.)"""
     _, logs, hashes, _ = recording
     log = logs[TAMPERED_STEP - 1]
-    # The last site with direction entries (a weight gradient): flipping them changes what the
-    # optimizer adds to the parameters. A flip is a legal choice, so no violation: the state
-    # simply is not the one the trainer committed to.
-    k = max(i for i, s in enumerate(log.sites) if s.indices.size > 0)
-    site = log.sites[k]
-    flipped = SiteLog(site.numel, site.indices, ~site.up, site.value_indices, site.values)
-    assert _replay_tampered(recording, _with_site(logs, k, flipped)) != hashes[TAMPERED_STEP - 1]
+    candidates = [i for i, s in enumerate(log.sites) if s.indices.size > 0][-3:]
+    diverged = []
+    for k in reversed(candidates):
+        site = log.sites[k]
+        flipped = SiteLog(site.numel, site.indices, ~site.up, site.value_indices, site.values)
+        with contextlib.suppress(LogViolationError):
+            diverged.append(_replay_tampered(recording, _with_site(logs, k, flipped))
+                            != hashes[TAMPERED_STEP - 1])
+    assert any(diverged), f"no flip at sites {candidates} changed the state"
 
 
 def test_dropped_entries_diverge_at_exactly_that_step_against_the_adversary(recording):

@@ -652,7 +652,7 @@ def test_step_toward_keeps_rne_when_it_already_went_that_way():
 
 def test_defaults_and_parse():
     assert PrecisionPolicy() == F64_F32
-    assert F64_F32.rules == RULES_VERSION == 2
+    assert F64_F32.rules == RULES_VERSION == 3
     assert PrecisionPolicy.parse("float64->float32") == F64_F32
     assert PrecisionPolicy.parse("float32:bfloat16") == F32_BF16
     assert PrecisionPolicy.parse(" float64 -> float32 ") == F64_F32
@@ -667,9 +667,10 @@ def test_compute_dtype_constants():
     assert F32_BF16.tiny == 2.0**-149
 
 
-@pytest.mark.parametrize("rules", [0, 1, -1, RULES_VERSION + 1])
+@pytest.mark.parametrize("rules", [0, 1, 2, -1, RULES_VERSION + 1])
 def test_other_rules_versions_are_refused(rules):
-    """Version 1 (bounded addcmul/addcdiv/lerp) logs what version 2 computes exactly."""
+    """Version 1 (bounded addcmul/addcdiv/lerp) logs what version 2 computes exactly; version 2
+    decomposes the softmax family, which version 3 rounds as one site each: other logs."""
     with pytest.raises(ConfigError, match=f"bound rules version {rules}"):
         PrecisionPolicy(rules=rules)
 
