@@ -206,25 +206,25 @@ class SplitK:
     def _softmax(self, func, x, dim, half_to_float):
         if not x.dim() or half_to_float:
             return func(x, dim, half_to_float)
-        t = (x - x.amax(dim, keepdim=True)).exp()
-        return t * self._row_sum(t, dim).reciprocal()
+        t = (x - x.amax(dim, keepdim=True)).exp_()
+        return t.mul_(self._row_sum(t, dim).reciprocal())
 
     def _log_softmax(self, func, x, dim, half_to_float):
         if not x.dim() or half_to_float:
             return func(x, dim, half_to_float)
         top = x.amax(dim, keepdim=True)
-        return x - (top + self._row_sum((x - top).exp(), dim).log())
+        return x - (top + self._row_sum((x - top).exp_(), dim).log())
 
     def _softmax_backward(self, func, grad, y, dim, input_dtype):
         if not y.dim() or input_dtype != grad.dtype:
             return func(grad, y, dim, input_dtype)
         product = grad * y
-        return product - y * self._row_sum(product, dim)
+        return product.sub_(y * self._row_sum(product, dim))
 
     def _log_softmax_backward(self, func, grad, y, dim, input_dtype):
         if not y.dim() or input_dtype != grad.dtype:
             return func(grad, y, dim, input_dtype)
-        return grad - y.exp() * self._row_sum(grad, dim)
+        return grad - y.exp().mul_(self._row_sum(grad, dim))
 
     # GELU (the exact form) through erfc, as a math library accurate in the tail computes it,
     # and its backward with exp(−(x/√2)²): forms its bound rules cover.

@@ -1,6 +1,6 @@
 """Fixtures for the auditor's tests: one tiny trained job, served by an in-process Claims server
 on 127.0.0.1 (ephemeral port), so nothing here depends on the trainer daemon; a liar that
-falsified one leaf, and a cheater that trained one step on a relabelled batch."""
+falsified one leaf, and a cheater that trained one step on other examples."""
 
 from __future__ import annotations
 
@@ -75,9 +75,12 @@ def liar_root(trained, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cheater_root(trained, tmp_path_factory) -> Path:
-    """The same job trained by a cheating trainer (`relabel:CHEAT_STEP`, trainer_node.faults):
-    its leaves and root are consistent and validly signed; only a replay of step CHEAT_STEP
-    from S_{CHEAT_STEP - 1} shows that it did not train on the committed batch."""
+    """The same job trained by a cheating trainer (`swap-examples:CHEAT_STEP`,
+    trainer_node.faults): its leaves and root are consistent and validly signed; only a replay
+    of step CHEAT_STEP from S_{CHEAT_STEP - 1} shows that it did not train on the committed
+    batch. (Other examples change the forward pass, so the recorded log does not fit the honest
+    step; other labels change only the loss and the backward, where this tiny job's log may
+    fit the honest replay and the state is what differs.)"""
     honest = JobStore(trained.root, trained.spec)
     state0 = honest.checkpoint(0)
     honest.close()
@@ -85,7 +88,7 @@ def cheater_root(trained, tmp_path_factory) -> Path:
     store = JobStore(root, trained.spec)
     store.put_initial(state0)
     run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-2t"),
-            hooks=TrainerFaults([Fault("relabel", CHEAT_STEP)]))
+            hooks=TrainerFaults([Fault("swap-examples", CHEAT_STEP)]))
     store.close()
     return root
 

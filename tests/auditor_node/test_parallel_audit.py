@@ -102,7 +102,7 @@ def test_a_cheat_in_the_second_interval_is_challenged_at_its_step(caught, traine
                                                                    cheater_address, tmp_path):
     record, _ = caught
     assert record.state == DIVERGED and record.divergent_step == CHEAT_STEP
-    # the relabelled step's recorded log does not fit the honest step: the auditor cannot
+    # the cheating step's recorded log does not fit the honest step: the auditor cannot
     # replay it, so its commitment ends just before it (as a sequential audit's does)
     assert record.reason.startswith("the trainer's rounding log is invalid: log violation at "
                                     f"step {CHEAT_STEP}")

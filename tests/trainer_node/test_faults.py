@@ -114,7 +114,13 @@ def test_base_hooks_change_nothing(job, tmp_path):
 @pytest.mark.parametrize("k", [1, MIDDLE, STEPS])
 @pytest.mark.parametrize("kind", [kind for kind in TRAINING_KINDS if kind != "skip-warmup"])
 def test_a_training_fault_cheats_at_k_and_an_audit_catches_it_there(job, tmp_path, kind, k):
-    faulty = _train(job, tmp_path / "trainer", TrainerFaults([Fault(kind, k)]))
+    try:
+        faulty = _train(job, tmp_path / "trainer", TrainerFaults([Fault(kind, k)]))
+    except ConfigError as err:
+        # a flip every honest replay absorbs is a legal move, not a cheat: where a step of this
+        # tiny job has no other, there is nothing to catch (the other steps have one)
+        assert kind in ("log-flip", "log-drop") and "changes S_t" in str(err), err
+        pytest.skip(f"{kind}:{k}: {err}")
     _assert_cheats_at(job, faulty, k, kind)
     if kind == "skip-step":
         assert faulty.leaf(k).log_hash == EMPTY_LOG_DIGEST

@@ -10,6 +10,7 @@ stored L_i. Exactness throughout: h_i* must equal the trainer's h_i byte for byt
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -170,7 +171,9 @@ def test_log_with_a_missing_site_is_invalid(job):
 def test_log_with_a_flipped_direction_replays_to_another_state(job):
     """A legal-looking log with one direction flipped: replay follows the log, so h_i* is not
     the trainer's h_i. Most flips are absorbed by later rounding (intermediate values), so the
-    entries are tried latest first until one is not; each is a legal log either way."""
+    entries are tried latest first until one is not. Each is a legal choice at its own site;
+    one upstream of later entries can move those out of their bands, and the log is then
+    invalid at a later site (also a catch, not this test's)."""
     prev_state, examples, log = evidence(job, 3)
     decoded = decode_log(log)
     candidates = [(k, e) for k in reversed(range(len(decoded.sites)))
@@ -185,7 +188,11 @@ def test_log_with_a_flipped_direction_replays_to_another_state(job):
         flipped = encode_log(RoundingLog(tuple(sites)))
         r = reexecute(job.spec, dispute_at(job, 3, log_hash=log_digest(flipped)), prev_state,
                       examples, flipped, program=_program(job), profile=ARBITER_PROFILE)
-        assert r.finding == "computed"
+        if r.finding == "invalid-log":
+            later = re.search(r"site (\d+) ", r.detail)
+            assert later is not None and int(later.group(1)) > k, r.detail
+            continue
+        assert r.finding == "computed", r.detail
         if r.state_hash != job.store.leaf(3).state_hash:
             return
     raise AssertionError(f"none of {len(candidates)} flipped directions changed S_3")
