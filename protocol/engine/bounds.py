@@ -652,7 +652,9 @@ def _foreach(inner: RuleFn) -> RuleFn:
 # against an exact reference (tests/protocol/engine/test_composite_bounds.py): the softmax
 # family below, each a row-wise op whose row sums in the compute dtype err by about K·u, far
 # below a target ULP, where its decomposition rounds half a dozen full-size intermediates
-# (issue 13: the decomposed log-softmax over GPT-2's vocabulary took 0.3 s a step), and GELU.
+# (issue 13: the decomposed log-softmax over GPT-2's vocabulary took 0.3 s a step); GELU;
+# and layer norm's backward, whose mean and rstd are inputs (its forward, where they are
+# computed, and ill-conditioned where the variance is tiny against the mean, stays decomposed).
 #
 # Each softmax proof bounds, to first order in u, the error of a family of algorithms: every
 # summation order and blocking; a two-pass kernel (the row maximum M, then Σ exp(x − M)), an
@@ -784,6 +786,57 @@ def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
 
 
+def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """native_layer_norm_backward(g, x, shape, μ, ρ, w, b, mask): per row of N = prod(shape)
+    elements, with μ and ρ the forward's rounded mean and rstd (inputs here, so nothing is
+    ill-conditioned), S1 = Σ g·w and S2 = Σ g·w·(x − μ):
+    dx_i = ρ·g_i·w_i − (ρ/N)·S1 − (ρ³/N)·(x_i − μ)·S2; dw_j = Σ_rows g·(x − μ)·ρ;
+    db_j = Σ_rows g. With A_i = |g_i·w_i| (exact: two target values), P1 = Σ A,
+    Q = Σ A·|x| + |μ|·P1 and Q' = Σ A·|x − μ| ≥ |S2|:
+    - ATen's CPU form: S1 and ds = Σ g·w·x in any order, b = (S1·μ − ds)·ρ·ρ·ρ·(1/N) (the
+      difference cancels, within (K + 3)·u·Q; five roundings more on at most ρ³·Q'/N),
+      c = −b·μ − S1·ρ·(1/N) from that same b, so b's error reaches dx = ρ·g·w + b·x + c as
+      Δb·(x_i − μ), while the roundings of b·x and b·μ are u·|b|·|x_i| and u·|b|·|μ|; and the
+      decomposition's (and CUDA's) form (ρ/N)·((N·g·w − S1) − x̂·Σ g·w·x̂), x̂ = (x − μ)·ρ.
+      Either: |Δdx_i| ≤ u·(5·ρ·A_i + (ρ³/N)·((K + 10)·Q·|x_i − μ| + 3·Q'·(|x_i| + |μ|)) +
+      (ρ/N)·P1·(K + 6)), K = N;
+    - dw: three roundings per term (g·(x − μ)·ρ, or g·(ρ·x − ρ·μ)) on |g|·(|x| + |μ|)·ρ, then
+      a sum over the M rows: (M + 5)·u·Σ |g|·(|x| + |μ|)·ρ; db: a sum, (M + 1)·u·Σ |g|.
+    Each e = SAFETY·1.02 times these, plus (N + 16) subnormal units (a product of four small
+    factors may underflow)."""
+    g, x, shape, mean, rstd, w, b, mask = args[:8]
+    n = math.prod(shape)
+    m = x.numel() // n if n else 0
+    scale, floor = SAFETY * _SLACK * ctx.u, SAFETY * (n + 16) * ctx.tiny
+    x2, g2 = x.reshape(m, n), g.reshape(m, n)
+    mu, rho = mean.reshape(m, 1).abs(), rstd.reshape(m, 1).abs()
+    ax = x2.abs()
+    out: list[Bound] = []
+    if mask[0]:
+        a = (g2 * w.reshape(1, n)).abs_() if w is not None else g2.abs()
+        p1 = a.sum(1, keepdim=True)
+        deviation = (x2 - mean.reshape(m, 1)).abs_()
+        q = (a * ax).sum(1, keepdim=True).add_(mu * p1)
+        q_dev = (a * deviation).sum(1, keepdim=True)
+        cube = rho.pow(3).div_(n)
+        spread = deviation.mul_(cube * q * (n + 10)).add_((ax + mu).mul_(cube * q_dev * 3))
+        base = a.mul_(rho * 5).add_(spread).add_((rho * p1).mul_((n + 6) / n))
+        out.append(Affine(scale, floor, base.reshape(x.shape)))
+    if mask[1] and w is not None:
+        terms = (ax + mu).mul_(g2.abs()).mul_(rho)
+        out.append(Affine(scale, floor, terms.sum(0).mul_(m + 5).reshape(w.shape)))
+    if mask[2] and b is not None:
+        out.append(Affine(scale, floor, g2.abs().sum(0).mul_(m + 1).reshape(b.shape)))
+    return out
+
+
+def _layer_norm_backward_terms(args: tuple, kwargs: dict) -> float:
+    """The first-order coefficients of `_layer_norm_backward`: the row length N and the row
+    count M, plus constants."""
+    n = math.prod(args[2])
+    return max(n, args[1].numel() // n if n else 0) + 20
+
+
 def _softmax_terms(args: tuple, kwargs: dict) -> float:
     """The largest first-order coefficient (in units of u) of the softmax family's rules on
     rows of `args[0]` along `args[1]`, for `rule_of`'s limit: K·(2·n_exp + 4) at float32's
@@ -858,6 +911,8 @@ _COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
     "gelu": (Rule("gelu", _gelu), _gelu_terms),
     "gelu_": (Rule("gelu", _gelu), _gelu_terms),
     "gelu_backward": (Rule("gelu-backward", _gelu_backward), _gelu_terms),
+    "native_layer_norm_backward": (Rule("layer-norm-backward", _layer_norm_backward),
+                                   _layer_norm_backward_terms),
 }
 
 

@@ -39,8 +39,9 @@ from protocol.errors import ConfigError
 # party with other rules refuses the job instead of disagreeing about its bands. Version 2:
 # addcmul, addcdiv and lerp with a scalar weight are fixed formulas with e = 0
 # (`protocol.engine.pointwise`) instead of bounded ATen kernels. Version 3: softmax,
-# log-softmax, GELU (its exact form) and their backwards carry own rules (`bounds`,
-# "composite ops") instead of being decomposed, so each is one site where it was half a dozen.
+# log-softmax, GELU (its exact form), their backwards and layer norm's backward carry own rules
+# (`bounds`, "composite ops") instead of being decomposed: one site each where there were up to
+# fifteen.
 RULES_VERSION = 3
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute

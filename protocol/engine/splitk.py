@@ -105,6 +105,7 @@ class SplitK:
             aten._softmax_backward_data.default: self._softmax_backward,
             aten._log_softmax_backward_data.default: self._log_softmax_backward,
             aten.gelu.default: self._gelu, aten.gelu_backward.default: self._gelu_backward,
+            aten.native_layer_norm_backward.default: self._layer_norm_backward,
         }
 
     def __repr__(self) -> str:
@@ -239,6 +240,27 @@ class SplitK:
             return func(grad, x, approximate=approximate)
         t = x * _SQRT_HALF
         return grad * (0.5 * torch.special.erfc(-t) + x * ((-(t * t)).exp() * _INV_SQRT_2PI))
+
+    def _layer_norm_backward(self, func, grad, x, shape, mean, rstd, weight, bias, mask):
+        """The decomposition's form (CUDA's too), (ρ/N)·((N·g·w − Σ g·w) − x̂·Σ g·w·x̂) with
+        x̂ = (x − μ)·ρ, its row sums and the weight's and bias's sums over the rows split."""
+        n = prod(shape)
+        if n < 2 or not x.numel():
+            return func(grad, x, shape, mean, rstd, weight, bias, mask)
+        m = x.numel() // n
+        g2, x2 = grad.reshape(m, n), x.reshape(m, n)
+        rho = rstd.reshape(m, 1)
+        x_hat = (x2 - mean.reshape(m, 1)) * rho
+        gw = g2 * weight.reshape(1, n) if weight is not None else g2
+        dx = dw = db = None
+        if mask[0]:
+            inner = gw * n - self._row_sum(gw, 1) - x_hat * self._row_sum(gw * x_hat, 1)
+            dx = ((rho / n) * inner).reshape(x.shape)
+        if mask[1] and weight is not None:
+            dw = self._sum_dim(aten.sum.dim_IntList, g2 * x_hat, [0]).reshape(weight.shape)
+        if mask[2] and bias is not None:
+            db = self._sum_dim(aten.sum.dim_IntList, g2, [0]).reshape(bias.shape)
+        return dx, dw, db
 
 
 _SQRT_HALF = math.sqrt(0.5)

@@ -1,12 +1,13 @@
 """The own rules of composite ops against an exact reference, adversarially (SPEC §3.2.1).
 
-The softmax family (`_softmax`, `_log_softmax` and their backwards) and GELU (its exact form,
-and its backward) carry their own rules in bounds version 3 instead of being decomposed. Each
-rule claims: every implementation of the op's algorithm family (protocol/engine/bounds.py:
-two-pass, online or log-sum-exp softmax, any summation order, a division or a reciprocal and
-a multiply; GELU through erf or erfc; FMA or not) lands within `e / 2` of the exact result.
-Here that is asserted for every element, decided in mpmath at 200 bits (the backward of
-softmax in rationals, exactly), for these machines:
+The softmax family (`_softmax`, `_log_softmax` and their backwards), GELU (its exact form, and
+its backward) and layer norm's backward carry their own rules in bounds version 3 instead of
+being decomposed. Each rule claims: every implementation of the op's algorithm family
+(protocol/engine/bounds.py: two-pass, online or log-sum-exp softmax, any summation order, a
+division or a reciprocal and a multiply; GELU through erf or erfc; layer norm's backward in
+ATen's CPU form or the decomposition's; FMA or not) lands within `e / 2` of the exact result.
+Here that is asserted for every element, decided in mpmath at 200 bits (the backwards of
+softmax and layer norm in rationals, exactly), for these machines:
 
 - the native float64 kernels with one and two threads, along the last dimension and along
   another one (ATen's vectorised last-dimension kernel and its strided one), or, elementwise,
@@ -24,7 +25,8 @@ The inputs are adversarial: wide ranges where exp underflows, a huge maximum (lo
 u·|M| term), a maximum with a long fraction beside tiny values (the rounding of x − M),
 ties at the maximum, constant rows, one dominant element, near-cancelling gradients; GELU's
 negative tail (1 + erf cancels) down to underflow, its backward's zero crossing, subnormal
-and huge inputs.
+and huge inputs; layer norm rows with a mean far from a small spread, near-constant gradients,
+mixed magnitudes and zero weights.
 """
 
 from __future__ import annotations
@@ -475,3 +477,116 @@ def test_gelu_bound_has_teeth_and_its_tanh_form_is_decomposed():
         judge("gelu", "erf", y, relative, exact)
     assert rule_of(aten.gelu.default, (t64(x),), {"approximate": "tanh"}) is None
     assert rule_of(aten.gelu.default, (t64(x),), {"approximate": "none"}) is not None
+
+
+# -- layer norm's backward ---------------------------------------------------------------------
+
+def layer_norm_inputs(kind: str, m: int, n: int, seed: int):
+    """(g, x, mean, rstd, w, b) of float32 values: the forward's rounded mean and rstd of x,
+    and upstream gradients, by kind: ordinary; a large mean over a small spread (x − μ and
+    S1·μ − ds cancel; ρ large); near-constant gradients (N·g·w − S1 cancels); mixed
+    magnitudes with zero weights."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, n))
+    g = rng.standard_normal((m, n))
+    w = rng.standard_normal(n)
+    if kind == "offset":
+        x = 1000.0 + x * 1e-3
+    elif kind == "near-constant-grad":
+        g = 0.25 + rng.choice([0.0, 2.0**-18, -(2.0**-19)], (m, n))
+    elif kind == "mixed":
+        x = x * np.ldexp(1.0, rng.integers(-20, 20, (m, n)))
+        g = g * np.ldexp(1.0, rng.integers(-30, 30, (m, n)))
+        w[::3] = 0.0
+    x, g, w, b = f32(x), f32(g), f32(w), f32(rng.standard_normal(n))
+    _, mean, rstd = aten.native_layer_norm.default(t64(x), [n], t64(w), t64(b), 1e-5)
+    return g, x, f32(mean.numpy()), f32(rstd.numpy()), w, b
+
+
+def exact_layer_norm_backward(g, x, mean, rstd, w):
+    """dx, dw, db of native_layer_norm_backward in rationals (every input a float)."""
+    q = np.vectorize(Fraction, otypes=[object])
+    g, x, w = q(g), q(x), q(w)
+    mu, rho = q(mean).reshape(-1, 1), q(rstd).reshape(-1, 1)
+    n = x.shape[1]
+    gw = g * w
+    s1 = gw.sum(axis=1, keepdims=True)
+    s2 = (gw * (x - mu)).sum(axis=1, keepdims=True)
+    dx = rho * gw - rho / n * s1 - rho ** 3 / n * (x - mu) * s2
+    dw = (g * (x - mu) * rho).sum(axis=0)
+    return dx.ravel().tolist(), dw.tolist(), g.sum(axis=0).tolist()
+
+
+def layer_norm_backward_formulas(order: str) -> Callable:
+    """ATen's CPU form, row by row, with sequential sums in `order`: ds and S1, then
+    b = (S1·μ − ds)·ρ³/N, c = −b·μ − S1·ρ/N, dx = ρ·g·w + b·x + c; dw and db summed over the
+    rows in the same order."""
+    def run(g, x, mean, rstd, w):
+        m, n = x.shape
+        dx = np.empty_like(x)
+        for i in range(m):
+            a, mu = float(rstd[i, 0]), float(mean[i, 0])
+            gw = g[i] * w
+            ds, db = seq_sum(gw * x[i], order), seq_sum(gw, order)
+            b = (db * mu - ds) * a * a * a * (1.0 / n)
+            c = -b * mu - db * a * (1.0 / n)
+            dx[i] = a * g[i] * w + b * x[i] + c
+        terms = g * (x - mean) * rstd
+        dw = np.array([seq_sum(terms[:, j], order) for j in range(n)])
+        db = np.array([seq_sum(g[:, j], order) for j in range(n)])
+        return dx, dw, db
+    return run
+
+
+@pytest.mark.parametrize("kind", ["normal", "offset", "near-constant-grad", "mixed"])
+@pytest.mark.parametrize("shape", [(6, 7), (40, 64), pytest.param((300, 96),
+                                                                  marks=pytest.mark.slow)])
+def test_layer_norm_backward(kind, shape):
+    m, n = shape
+    g, x, mean, rstd, w, b = layer_norm_inputs(kind, m, n, seed=m + n)
+    func = aten.native_layer_norm_backward.default
+    args = (t64(g), t64(x), [n], t64(mean), t64(rstd), t64(w), t64(b), [True, True, True])
+    exact = exact_layer_norm_backward(g, x, mean, rstd, w)
+    runs: dict[str, tuple] = {}
+    for threads in (1, 2):
+        with num_threads(threads):
+            runs[f"native-{threads}t"] = tuple(t.numpy() for t in func(*args))
+    for splitk in (SplitK(seed=5, chunks=3, order="permuted"),
+                   SplitK(seed=5, chunks=8, order="pairwise")):
+        runs[repr(splitk)] = tuple(t.numpy() for t in splitk(func, args, {}))
+    if HAS_CUDA:
+        runs["cuda"] = tuple(t.numpy() for t in on_cuda(func, args, {}))
+    for order in ORDERS:
+        runs[f"cpu-form-{order}"] = layer_norm_backward_formulas(order)(g, x, mean, rstd, w)
+    runs["rounded-once"] = tuple(np.array([float(v) for v in part]).reshape(like.shape)
+                                 for part, like in zip(exact, (x, w, b), strict=True))
+    rule = rule_of(func, args, {})
+    assert rule is not None
+    for machine, ys in runs.items():
+        es = bounds_for(CTX, rule, func, args, {}, [t64(y) for y in ys])
+        for name, y, e, ex in zip(("dx", "dw", "db"), ys, es, exact, strict=True):
+            dense = np.broadcast_to(torch.as_tensor(dense_bound(e, t64(y))).numpy(), y.shape)
+            judge(f"layer-norm-backward {name}", machine, np.asarray(y), dense, ex)
+
+
+def test_layer_norm_backward_bound_has_teeth():
+    """Where the mean is large against the spread, ATen's CPU form errs by far more than the
+    decomposition's form would: S1·μ − ds cancels and b·x + c rounds on |b|·(|x| + |μ|). The
+    rule's bound holds there; the bound an analysis of the centred form alone gives (Q' and
+    |x_i − μ| in place of Q and |x_i| + |μ|) is exceeded."""
+    g, x, mean, rstd, w, b = layer_norm_inputs("offset", 6, 7, seed=13)
+    func = aten.native_layer_norm_backward.default
+    args = (t64(g), t64(x), [7], t64(mean), t64(rstd), t64(w), t64(b), [True, False, False])
+    (dx, _, _) = layer_norm_backward_formulas("given")(g, x, mean, rstd, w)
+    exact = exact_layer_norm_backward(g, x, mean, rstd, w)[0]
+    (e,) = bounds_for(CTX, rule_of(func, args, {}), func, args, {}, [t64(dx)])
+    judge("layer-norm-backward dx", "cpu-form", dx, dense_bound(e, t64(dx)).numpy(), exact)
+    a = np.abs(g * w)
+    rho, cube = rstd.reshape(-1, 1), rstd.reshape(-1, 1) ** 3 / 7
+    deviation = np.abs(x - mean.reshape(-1, 1))
+    q_dev = (a * deviation).sum(1, keepdims=True)
+    centred = 5 * rho * a + cube * q_dev * (7 + 13) * deviation + \
+        rho * a.sum(1, keepdims=True) * (7 + 6) / 7
+    with pytest.raises(AssertionError, match="bound exceeded"):
+        judge("layer-norm-backward dx", "cpu-form", dx,
+              2 * 1.02 * POLICY.unit_roundoff * centred, exact)

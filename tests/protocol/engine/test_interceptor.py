@@ -556,12 +556,14 @@ def test_training_record_replays_bit_exactly_under_splitk(make_opt, auditor):
     logs = [r.log() for r in recs]
     ops = {op for r in recs for op in r.ops}
     assert {"aten.addmm.default", "aten.mm.default", "aten.rsqrt.default"} <= ops
-    # the loss, layer norm and their backwards: decomposed; log-softmax, GELU and their
-    # backwards: one site each, by their own rules (bound rules version 3)
-    for composite in ("nll_loss", "layer_norm", "cross_entropy"):
+    # the loss, layer norm's forward and the loss's backward: decomposed; log-softmax, GELU,
+    # their backwards and layer norm's backward: one site each, by their own rules (bound
+    # rules version 3)
+    for composite in ("nll_loss", "native_layer_norm.default", "cross_entropy"):
         assert not any(composite in op for op in ops), composite
     assert {"aten._log_softmax.default", "aten._log_softmax_backward_data.default",
-            "aten.gelu.default", "aten.gelu_backward.default"} <= ops
+            "aten.gelu.default", "aten.gelu_backward.default",
+            "aten.native_layer_norm_backward.default"} <= ops
     assert "aten.erf.default" not in ops
     assert any(op.startswith("aten._foreach_") for op in ops)  # the optimizer ran under the mode
     assert sum(log.n_entries for log in logs) > 0
