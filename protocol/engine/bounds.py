@@ -109,12 +109,15 @@ class Rule:
     `elementwise`: its ops compute each result element from the same element of their
     operands (where these have the result's shape) and its bound at an element reads nothing
     else, so that a result may be computed and rounded in parts (the relative and zero rules;
-    `RoundingMode`'s parts path)."""
+    `RoundingMode`'s parts path). `unsigned_zero`: the algorithms it covers may disagree on the
+    sign of a zero result (y·(g − s) and g·y − y·s where y = 0), which no bound absorbs, so the
+    interceptor makes every zero +0 before rounding (the composite ops)."""
 
     name: str
     fn: RuleFn
     reads_inputs: bool = True
     elementwise: bool = False
+    unsigned_zero: bool = False
 
 
 class BoundContext:
@@ -675,6 +678,17 @@ def _row(x: torch.Tensor, dim: int) -> int:
     return x.shape[dim] if x.dim() else 1
 
 
+def _log(k: int) -> float:
+    """ln K, 0 for an empty row (which has no results to bound)."""
+    return math.log(max(k, 1))
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float64, where a rule's magnitudes are formed: in a float32 compute dtype a base
+    like |x|·C of a large bfloat16 value would overflow to +inf, which certifies nothing."""
+    return t.to(torch.float64)
+
+
 def _ulps(ctx, name: str) -> float:
     return _MAX_ULPS[name] * ctx.ulp_factor
 
@@ -695,18 +709,21 @@ def _row_sum_error(ctx, k: int) -> float:
 
 def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     """_softmax(x, dim): y_i = exp(x_i − M) / s, s = Σ_j exp(x_j − M). Relative to y_i: the
-    row sum (`_row_sum_error`); y_i's own exp(x_i − M) (u·|x_i − M| + 2·n_exp·u, or, through
-    exp(x_i − M − log s), 2u·|x_i − M| + (2·n_log + 1)·u·ln K + 2·n_exp·u); the division
-    (2·n_div·u). |x_i − M| ≤ D = −ln(tiny) + 1 wherever y_i is above the compute dtype's
-    smallest subnormal `tiny` (745.1 in float64, 104.3 in float32); where it is not (a masked
-    x_i = −inf among them), every machine's y_i is 0 or a few subnormal units. So
-    e_i = SAFETY·1.02·u·|y_i|·(3·D + R_s + (2·n_log + 1)·ln K + 2·n_exp + 2·n_div), plus
-    (2K + 8) subnormal units: a relative bound, evaluated in the fused band pass."""
+    row sum (`_row_sum_error`); y_i's own exp(x_i − M) (u·|x_i − M| + 2·n_exp·u; through
+    exp((x_i − M) − log s), 2u·|x_i − M| + (2·n_log + 1)·u·ln K + 2·n_exp·u; through
+    exp(x_i − (M + log s)), the sum M + log s rounds too: u·(|M| + ln K) more); the division or
+    a reciprocal and a multiply (at most 3u). |x_i − M| ≤ D = −ln(tiny) + 1 wherever y_i is
+    above the compute dtype's smallest subnormal `tiny` (745.1 in float64, 104.3 in float32);
+    where it is not (a masked x_i = −inf among them), every machine's y_i is 0 or a few
+    subnormal units. So e_i = SAFETY·1.02·u·|y_i|·(|M| + 3·D + R_s + (2·n_log + 2)·ln K +
+    2·n_exp + 3), plus (2K + 8) subnormal units."""
     x, dim = args[0], args[1]
     k = _row(x, dim)
     c = 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
-        (2 * _ulps(ctx, "log") + 1) * math.log(k) + 2 * _ulps(ctx, "exp") + 2 * _ulps(ctx, "div")
-    return [Affine(SAFETY * _SLACK * ctx.u * c, SAFETY * (2 * k + 8) * ctx.tiny)]
+        (2 * _ulps(ctx, "log") + 2) * _log(k) + 2 * _ulps(ctx, "exp") + 3
+    top = _f64(x.amax(dim, keepdim=True)).abs_() if x.numel() else _f64(x)
+    base = _f64(ys[0]).abs().mul_(top.add_(c))
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (2 * k + 8) * ctx.tiny, base)]
 
 
 def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -718,9 +735,10 @@ def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     x, dim = args[0], args[1]
     k = _row(x, dim)
     scale = SAFETY * _SLACK * ctx.u
-    c = _row_sum_error(ctx, k) + (2 * _ulps(ctx, "log") + 2) * math.log(k)
-    top = x.amax(dim, keepdim=True).abs() if x.numel() else x
-    return [Affine(scale, SAFETY * (k + 4) * ctx.tiny, torch.add(top + c, ys[0].abs(), alpha=2))]
+    c = _row_sum_error(ctx, k) + (2 * _ulps(ctx, "log") + 2) * _log(k)
+    top = _f64(x.amax(dim, keepdim=True)).abs_() if x.numel() else _f64(x)
+    return [Affine(scale, SAFETY * (k + 4) * ctx.tiny,
+                   torch.add(top.add_(c), _f64(ys[0]).abs(), alpha=2))]
 
 
 def _softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -730,9 +748,9 @@ def _softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     errs by γ_{K−1}·P, P = Σ_j |g_j·y_j| ≥ |s|. Then y_i·(g_i − ŝ) (two roundings, on at most
     |y_i|·(|g_i| + P)), or g_i·y_i − y_i·ŝ (exact, one rounding, one subtraction), FMA or
     not: e_i = SAFETY·1.02·u·((K + 5)·|y_i|·P + 3·|g_i·y_i|), plus (K + 4) subnormal units."""
-    g, y, dim = args[0], args[1], args[2]
+    g, y, dim = _f64(args[0]), _f64(args[1]), args[2]
     k = _row(y, dim)
-    q = (g * y).abs()
+    q = (g * y).abs_()
     p = q.sum(dim, keepdim=True) if q.numel() else q
     base = torch.add(y.abs().mul_(p * (k + 5)), q, alpha=3)
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny, base)]
@@ -743,11 +761,17 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     by γ_{K−1}·G, G = Σ_j |g_j|; exp(y_i) by 2·n_exp·u relatively; the product and the
     subtraction one rounding each, on at most exp(y_i)·G and |g_i| + exp(y_i)·G:
     e_i = SAFETY·1.02·u·((K + 2·n_exp + 3)·exp(y_i)·G + |g_i|), plus (K + 4) subnormal
-    units. exp(y_i) is computed here in the compute dtype (its own error is within SAFETY)."""
-    g, y, dim = args[0], args[1], args[2]
+    units. exp(y_i) is computed here in float64 (its own error is within SAFETY). Where exp(y_i)
+    is a subnormal of the compute dtype (y_i below −87.3 in float32) its error is n_exp of its
+    units, not relative: in float32 compute the bound adds n_exp·tiny·G (as 2·n_exp·(tiny/u)·G
+    in the base); in float64 that needs G beyond 2**873."""
+    g, y, dim = _f64(args[0]), _f64(args[1]), args[2]
     k = _row(y, dim)
     total = g.abs().sum(dim, keepdim=True) if g.numel() else g
-    base = torch.add(y.exp().mul_(total * (k + 2 * _ulps(ctx, "exp") + 3)), g.abs())
+    factor = y.exp().mul_(k + 2 * _ulps(ctx, "exp") + 3)
+    if ctx.policy.compute == torch.float32:
+        factor.add_(2 * _ulps(ctx, "exp") * ctx.tiny / ctx.u)
+    base = torch.add(factor.mul_(total), g.abs())
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny, base)]
 
 
@@ -767,8 +791,8 @@ def _gelu(ctx, func, args, kwargs, ys) -> list[Bound]:
     2·|y_i|), plus 4 subnormal units (a tail result below the normals). Absolute in x: deep in
     the negative tail, where 1 + erf cancels, the result is tiny and the bound is not — those
     elements log their values, as they must, since machines differ there."""
-    x = args[0]
-    base = torch.add(ys[0].abs(), x.abs(), alpha=_gelu_cdf_error(ctx) / 4).mul_(2)
+    x = _f64(args[0])
+    base = torch.add(_f64(ys[0]).abs(), x.abs(), alpha=_gelu_cdf_error(ctx) / 4).mul_(2)
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
 
 
@@ -780,9 +804,9 @@ def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     and x·φ(x) one rounding more, on |x|·φ(x) ≤ φ(1) < 0.242; their sum one rounding on
     |Φ + xφ| < 1.13; the product with g one on |dx|: e_i = SAFETY·1.02·u·(|g_i|·(C/2 +
     0.242·(2·n_exp + 7) + 1.13) + |dx_i|), plus 4 subnormal units."""
-    g = args[0]
+    g = _f64(args[0])
     c = _gelu_cdf_error(ctx) / 2 + 0.242 * (2 * _ulps(ctx, "exp") + 7) + 1.13
-    base = torch.add(ys[0].abs(), g.abs(), alpha=c)
+    base = torch.add(_f64(ys[0]).abs(), g.abs(), alpha=c)
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
 
 
@@ -806,8 +830,13 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     factors may underflow)."""
     g, x, shape, mean, rstd, w, b, mask = args[:8]
     n = math.prod(shape)
-    m = x.numel() // n if n else 0
     scale, floor = SAFETY * _SLACK * ctx.u, SAFETY * (n + 16) * ctx.tiny
+    if not x.numel():  # (no results to bound)
+        present = [mask[0], mask[1] and w is not None, mask[2] and b is not None]
+        return [None] * sum(present)
+    m = x.numel() // n
+    g, x, mean, rstd = _f64(g), _f64(x), _f64(mean), _f64(rstd)
+    w = _f64(w) if w is not None else None
     x2, g2 = x.reshape(m, n), g.reshape(m, n)
     mu, rho = mean.reshape(m, 1).abs(), rstd.reshape(m, 1).abs()
     ax = x2.abs()
@@ -824,9 +853,9 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         out.append(Affine(scale, floor, base.reshape(x.shape)))
     if mask[1] and w is not None:
         terms = (ax + mu).mul_(g2.abs()).mul_(rho)
-        out.append(Affine(scale, floor, terms.sum(0).mul_(m + 5).reshape(w.shape)))
+        out.append(Affine(scale, floor, terms.sum(0).mul_(m + 5).reshape(shape)))
     if mask[2] and b is not None:
-        out.append(Affine(scale, floor, g2.abs().sum(0).mul_(m + 1).reshape(b.shape)))
+        out.append(Affine(scale, floor, g2.abs().sum(0).mul_(m + 1).reshape(shape)))
     return out
 
 
@@ -902,18 +931,17 @@ def _table() -> dict[str, Rule]:
 
 # Composite ops with own rules, and the first-order coefficient `rule_of` limits.
 _COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
-    "_softmax": (Rule("softmax", _softmax), _softmax_terms),
-    "_log_softmax": (Rule("log-softmax", _log_softmax), _softmax_terms),
-    "_softmax_backward_data": (Rule("softmax-backward", _softmax_backward),
-                               _softmax_backward_terms),
-    "_log_softmax_backward_data": (Rule("log-softmax-backward", _log_softmax_backward),
-                                   _softmax_backward_terms),
-    "gelu": (Rule("gelu", _gelu), _gelu_terms),
-    "gelu_": (Rule("gelu", _gelu), _gelu_terms),
-    "gelu_backward": (Rule("gelu-backward", _gelu_backward), _gelu_terms),
-    "native_layer_norm_backward": (Rule("layer-norm-backward", _layer_norm_backward),
-                                   _layer_norm_backward_terms),
-}
+    name: (Rule(rule, fn, unsigned_zero=True), terms) for name, rule, fn, terms in (
+        ("_softmax", "softmax", _softmax, _softmax_terms),
+        ("_log_softmax", "log-softmax", _log_softmax, _softmax_terms),
+        ("_softmax_backward_data", "softmax-backward", _softmax_backward,
+         _softmax_backward_terms),
+        ("_log_softmax_backward_data", "log-softmax-backward", _log_softmax_backward,
+         _softmax_backward_terms),
+        ("gelu", "gelu", _gelu, _gelu_terms), ("gelu_", "gelu", _gelu, _gelu_terms),
+        ("gelu_backward", "gelu-backward", _gelu_backward, _gelu_terms),
+        ("native_layer_norm_backward", "layer-norm-backward", _layer_norm_backward,
+         _layer_norm_backward_terms))}
 
 
 _RULES = _table()

@@ -159,6 +159,10 @@ class _OpPlan:
 
 _PLANS: dict[int, _OpPlan] = {}
 
+# Ops with a positional `input_dtype` naming the dtype of their result: computed wide, it is the
+# compute dtype (`RoundingMode._widen`).
+_INPUT_DTYPE_OPS = frozenset({"_softmax_backward_data", "_log_softmax_backward_data"})
+
 
 def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
     """`func`'s plan, made on its first call (overloads live as long as torch's op registry,
@@ -258,6 +262,7 @@ class RoundingMode(TorchDispatchMode):
         if not any(found):
             return self._no_float_inputs(func, rule, args, kwargs)
         assert rule is not None  # an op reading floats without a rule was decomposed
+        unsigned_zero = rule.unsigned_zero
         if not self._bounds_needed():
             rule = None  # (e = 0 for the rounder, which does not read it)
         inputs = (wide_args, wide_kwargs)
@@ -281,6 +286,10 @@ class RoundingMode(TorchDispatchMode):
             if writes and rule is not None and rule.reads_inputs:
                 inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
             out = self.compute(func, wide_args, wide_kwargs)
+        if unsigned_zero:  # −0 + 0 = +0, every other value as it is (`Rule.unsigned_zero`)
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    leaf.add_(0.0)
         if (fixed or functional is not None) and writes:  # the results are the values written
             writes[:] = [(orig, r) for (orig, _), r in zip(writes, results, strict=True)]
             if not func._schema.returns:  # a foreach op's in-place form returns nothing
@@ -485,8 +494,9 @@ class RoundingMode(TorchDispatchMode):
             return wide
         if isinstance(value, float):
             return self._round_scalar(value)
-        if isinstance(value, torch.dtype) and value == target:  # the softmax backwards'
-            return self.policy.compute  # `input_dtype`: the dtype their result is made in
+        if isinstance(value, torch.dtype) and value == target and \
+                func.overloadpacket.__name__ in _INPUT_DTYPE_OPS:
+            return self.policy.compute  # the dtype their result is made in
         if isinstance(value, (list, tuple)) and value:
             return type(value)(self._widen(func, v, mutable, writes, found) for v in value)
         return value

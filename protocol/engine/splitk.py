@@ -199,31 +199,31 @@ class SplitK:
     # The softmax family, as another machine's kernels compute it: two-pass, the row sums split
     # and combined in this profile's order, and the other form of each where there is one
     # (t · (1/s), x − (M + log s), g·y − y·s): algorithms its bound rules cover
-    # (protocol.engine.bounds, "composite ops"). A 0-d input runs natively.
+    # (protocol.engine.bounds, "composite ops"). A 0-d or empty input runs natively.
 
     def _row_sum(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self._sum_dim(aten.sum.dim_IntList, t, [dim], True)
 
     def _softmax(self, func, x, dim, half_to_float):
-        if not x.dim() or half_to_float:
+        if not x.numel() or not x.dim() or half_to_float:
             return func(x, dim, half_to_float)
         t = (x - x.amax(dim, keepdim=True)).exp_()
         return t.mul_(self._row_sum(t, dim).reciprocal())
 
     def _log_softmax(self, func, x, dim, half_to_float):
-        if not x.dim() or half_to_float:
+        if not x.numel() or not x.dim() or half_to_float:
             return func(x, dim, half_to_float)
         top = x.amax(dim, keepdim=True)
         return x - (top + self._row_sum((x - top).exp_(), dim).log())
 
     def _softmax_backward(self, func, grad, y, dim, input_dtype):
-        if not y.dim() or input_dtype != grad.dtype:
+        if not y.numel() or not y.dim() or input_dtype != grad.dtype:
             return func(grad, y, dim, input_dtype)
         product = grad * y
         return product.sub_(y * self._row_sum(product, dim))
 
     def _log_softmax_backward(self, func, grad, y, dim, input_dtype):
-        if not y.dim() or input_dtype != grad.dtype:
+        if not y.numel() or not y.dim() or input_dtype != grad.dtype:
             return func(grad, y, dim, input_dtype)
         return grad - y.exp().mul_(self._row_sum(grad, dim))
 

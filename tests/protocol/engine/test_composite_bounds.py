@@ -80,13 +80,18 @@ def rows(kind: str, k: int, seed: int, n: int = 3) -> np.ndarray:
     elif kind == "mixed":
         v = rng.choice([-1.0, 1.0], (n, k)) * rng.uniform(1, 2, (n, k)) * \
             np.ldexp(1.0, rng.integers(-40, 8, (n, k)))
+    elif kind == "masked":  # a causal mask's −inf beside finite scores
+        v = rng.standard_normal((n, k)) * 3
+        v[:, 1::2] = -np.inf
+    elif kind == "far-max":  # M far from zero: exp(x − (M + log s)) rounds M + log s
+        v = 100003.0 - rng.choice([0.0, 1.0, 2.0, 0.5], (n, k))
     else:
         raise AssertionError(kind)
     return f32(v)
 
 
 KINDS = ["normal", "wide", "huge", "ties-at-2**52", "long-max", "ties", "constant", "dominant",
-         "mixed"]
+         "mixed", "masked", "far-max"]
 LENGTHS = [1, 7, 64, pytest.param(1000, marks=pytest.mark.slow)]
 
 
@@ -158,6 +163,11 @@ def softmax_formulas() -> dict[str, Callable]:
     def reciprocal(x):
         t = np.exp(x - x.max())
         return t * (1.0 / seq_sum(t, "given"))
+
+    def folded(x):
+        m = x.max()
+        return np.exp(x - (m + math.log(seq_sum(np.exp(x - m), "given"))))
+    out["folded-log-sum-exp"] = per_row(folded)
     out["reciprocal"] = per_row(reciprocal)
     out["online-increasing"] = per_row(lambda x: online_softmax(x, np.argsort(x)))
     out["online-given"] = per_row(lambda x: online_softmax(x, np.arange(x.size)))
@@ -169,6 +179,8 @@ def online_softmax(x: np.ndarray, visit: np.ndarray) -> np.ndarray:
     elements visited in the order `visit`."""
     m, s = -math.inf, 0.0
     for j in visit:
+        if x[j] == -math.inf:  # a masked element adds nothing
+            continue
         if x[j] > m:
             s = s * math.exp(m - x[j]) if s else 0.0
             m = x[j]
@@ -192,6 +204,8 @@ def log_softmax_formulas() -> dict[str, Callable]:
     def online(x):
         m, s = -math.inf, 0.0
         for j in np.argsort(x):
+            if x[j] == -math.inf:
+                continue
             if x[j] > m:
                 s = s * math.exp(m - x[j]) if s else 0.0
                 m = x[j]
@@ -272,7 +286,8 @@ def judge(family: str, machine: str, y: np.ndarray, e: np.ndarray, exact: list) 
     """Assert |y − exact| ≤ e / 2 at every finite element; the largest ratio to e / 2."""
     worst, failures = 0.0, []
     for yi, ei, xi in zip(y.ravel().tolist(), e.ravel().tolist(), exact, strict=True):
-        if not math.isfinite(yi):
+        if not math.isfinite(yi):  # no rounding site: only where the exact result is not finite
+            assert not mpmath.isfinite(xi) or abs(xi) > np.finfo(np.float64).max, (machine, yi)
             continue
         exact_i = xi if isinstance(xi, Fraction) else None
         diff = abs(Fraction(yi) - exact_i) if exact_i is not None else \
@@ -590,3 +605,26 @@ def test_layer_norm_backward_bound_has_teeth():
     with pytest.raises(AssertionError, match="bound exceeded"):
         judge("layer-norm-backward dx", "cpu-form", dx,
               2 * 1.02 * POLICY.unit_roundoff * centred, exact)
+
+
+def test_empty_rows_and_zero_signs():
+    """Rows of length 0 give empty results on every path; and a zero result is +0 whichever
+    form computed it: y·(g − s) gives −0 where y = +0 and g < s, g·y − y·s gives +0, and no
+    bound absorbs the sign of a zero, so the interceptor makes every composite op's zero +0
+    (`Rule.unsigned_zero`): the native kernel and the emulated hardware agree bit for bit."""
+    from protocol.engine.interceptor import RoundingMode
+    from protocol.engine.rounding import SiteRecorder
+    empty = torch.zeros(2, 0)
+    y, g = torch.tensor([[1.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.5, -0.0]])
+    computes = {"native": None, "emulated": SplitK(seed=1, chunks=2)}
+    results = {}
+    for name, compute in computes.items():
+        kw = {} if compute is None else {"compute": compute}
+        with RoundingMode(POLICY, SiteRecorder(POLICY), **kw):
+            for func in (aten._softmax.default, aten._log_softmax.default):
+                assert func(empty, 1, False).shape == (2, 0)
+            results[name] = aten._softmax_backward_data.default(g, y, 1, torch.float32)
+    native = aten._softmax_backward_data.default(g.double(), y.double(), 1, torch.float64)
+    assert torch.signbit(native[0, 1])  # ATen's CPU form: −0
+    assert torch.equal(results["native"].view(torch.int32), results["emulated"].view(torch.int32))
+    assert not torch.signbit(results["native"]).any()
