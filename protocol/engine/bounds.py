@@ -716,14 +716,19 @@ def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     above the compute dtype's smallest subnormal `tiny` (745.1 in float64, 104.3 in float32);
     where it is not (a masked x_i = −inf among them), every machine's y_i is 0 or a few
     subnormal units. So e_i = SAFETY·1.02·u·|y_i|·(|M| + 3·D + R_s + (2·n_log + 2)·ln K +
-    2·n_exp + 3), plus (2K + 8) subnormal units."""
+    2·n_exp + 3), plus (2K + 8) subnormal units; with the largest finite |M| of the tensor's
+    rows for each row's own (a looser bound, as continuous), it is relative to y alone,
+    evaluated in the fused band pass. (A row whose M is not finite has no finite result.)"""
     x, dim = args[0], args[1]
     k = _row(x, dim)
-    c = 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
+    top = 0.0
+    if x.numel():
+        rows = x.amax(dim) if x.dim() else x
+        finite = rows[torch.isfinite(rows)]
+        top = float(_f64(finite).abs().max()) if finite.numel() else 0.0
+    c = top + 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
         (2 * _ulps(ctx, "log") + 2) * _log(k) + 2 * _ulps(ctx, "exp") + 3
-    top = _f64(x.amax(dim, keepdim=True)).abs_() if x.numel() else _f64(x)
-    base = _f64(ys[0]).abs().mul_(top.add_(c))
-    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (2 * k + 8) * ctx.tiny, base)]
+    return [Affine(SAFETY * _SLACK * ctx.u * c, SAFETY * (2 * k + 8) * ctx.tiny)]
 
 
 def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:

@@ -365,8 +365,9 @@ def test_softmax_backward(kind, grad, k):
 
 def test_a_bound_without_its_terms_fails():
     """The judge has teeth: the rule's bound with nine tenths of log-softmax's u·|M| term left
-    out is exceeded by the folded form x − (M + log s) where M + log 5 rounds to an integer,
-    and the relative bound of softmax scaled down 1000-fold is exceeded where x − M rounds."""
+    out is exceeded by the folded form x − (M + log s) where M + log 5 rounds to an integer;
+    and softmax's bound without its |M| term (the bound of the same rows shifted to M ≈ 0) is
+    exceeded by exp(x − (M + log s)) where M is far from zero."""
     x = rows("ties-at-2**52", 7, seed=0)
     tensors, rest = [t64(x)], (1, False)
     func = aten._log_softmax.default
@@ -378,12 +379,13 @@ def test_a_bound_without_its_terms_fails():
     weakened = e - 0.9 * 2 * 1.02 * POLICY.unit_roundoff * top
     with pytest.raises(AssertionError, match="bound exceeded"):
         judge("log-softmax", "folded", y, weakened, exact)
-    x = rows("long-max", 7, seed=1)
-    y = softmax_formulas()["two-pass-given"](x)
+    x = rows("far-max", 64, seed=1)
+    y = softmax_formulas()["folded-log-sum-exp"](x)
     exact = [v for row in x for v in exact_softmax(row)]
-    e = bound_of(aten._softmax.default, [t64(x)], rest, y)
+    judge("softmax", "folded", y, bound_of(aten._softmax.default, [t64(x)], rest, y), exact)
+    shifted = bound_of(aten._softmax.default, [t64(x - 100003.0)], rest, y)
     with pytest.raises(AssertionError, match="bound exceeded"):
-        judge("softmax", "two-pass", y, e / 1000, exact)
+        judge("softmax", "folded", y, shifted, exact)
 
 
 def test_rows_beyond_the_first_order_limit_are_decomposed():
