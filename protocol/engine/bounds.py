@@ -803,14 +803,15 @@ def _gelu(ctx, func, args, kwargs, ys) -> list[Bound]:
 
 def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     """gelu_backward(g, x) (the exact form): dx = g·(Φ(x) + x·φ(x)), φ(x) = e^{−x²/2}/√(2π).
-    Φ errs by C/2·u (`_gelu_cdf_error`); φ by (2·n_exp + 5)·u relatively (x·x exact in the
-    compute dtype, −x²/2 exact or, as −(x/√2)², 3u relative in an argument whose exp moves
-    by 1.5u·x², which times |x|·φ(x) is below 0.7u; two rounded constants and the product),
-    and x·φ(x) one rounding more, on |x|·φ(x) ≤ φ(1) < 0.242; their sum one rounding on
-    |Φ + xφ| < 1.13; the product with g one on |dx|: e_i = SAFETY·1.02·u·(|g_i|·(C/2 +
-    0.242·(2·n_exp + 7) + 1.13) + |dx_i|), plus 4 subnormal units."""
+    Φ errs by C/2·u (`_gelu_cdf_error`); φ by (2·n_exp + 5)·u relatively (exp's own error, two
+    rounded constants and the product), and x·φ(x) one rounding more, on |x|·φ(x) ≤ φ(1) <
+    0.242; exp's argument: x·x is exact in the compute dtype and −x²/2 too, but −(x/√2)² errs
+    by at most 4.2u relatively, which moves exp by 2.1u·x², times |x|·φ(x) below 1.0u (the
+    largest x³·φ(x) is 0.464); their sum one rounding on |Φ + xφ| < 1.13; the product with g one
+    on |dx|: e_i = SAFETY·1.02·u·(|g_i|·(C/2 + 0.242·(2·n_exp + 7) + 1.13 + 1) + |dx_i|), plus
+    4 subnormal units."""
     g = _f64(args[0])
-    c = _gelu_cdf_error(ctx) / 2 + 0.242 * (2 * _ulps(ctx, "exp") + 7) + 1.13
+    c = _gelu_cdf_error(ctx) / 2 + 0.242 * (2 * _ulps(ctx, "exp") + 7) + 1.13 + 1.0
     base = torch.add(_f64(ys[0]).abs(), g.abs(), alpha=c)
     return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
 
