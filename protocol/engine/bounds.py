@@ -110,8 +110,9 @@ class Rule:
     operands (where these have the result's shape) and its bound at an element reads nothing
     else, so that a result may be computed and rounded in parts (the relative and zero rules;
     `RoundingMode`'s parts path). `unsigned_zero`: the algorithms it covers may disagree on the
-    sign of a zero result (y·(g − s) and g·y − y·s where y = 0), which no bound absorbs, so the
-    interceptor makes every zero +0 before rounding (the composite ops)."""
+    sign of a zero result (y·(g − s) and g·y − y·s where y = 0) or of a result that rounds to
+    zero (a tiny ±value), which no bound absorbs and no entry records, so the interceptor makes
+    every rounded zero +0 (the composite ops)."""
 
     name: str
     fn: RuleFn
@@ -716,19 +717,32 @@ def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     above the compute dtype's smallest subnormal `tiny` (745.1 in float64, 104.3 in float32);
     where it is not (a masked x_i = −inf among them), every machine's y_i is 0 or a few
     subnormal units. So e_i = SAFETY·1.02·u·|y_i|·(|M| + 3·D + R_s + (2·n_log + 2)·ln K +
-    2·n_exp + 3), plus (2K + 8) subnormal units; with the largest finite |M| of the tensor's
-    rows for each row's own (a looser bound, as continuous), it is relative to y alone,
-    evaluated in the fused band pass. (A row whose M is not finite has no finite result.)"""
+    2·n_exp + 3), plus (2K + 8) subnormal units. Where every row's |M| is at most the constant
+    part c₀, the largest finite |M| of the tensor stands for each row's own (a looser bound):
+    relative to y alone, evaluated in the fused band pass; elsewhere (a row masked with −1e9
+    beside ordinary ones) each row keeps its own, so one row cannot widen every other row's
+    band. Both parties decide alike: the inputs are the same bits. (A row whose M is not
+    finite has no finite result; `rule_of` decomposes the op where u·|M| breaks the
+    first-order limit, `_softmax_terms`.)"""
     x, dim = args[0], args[1]
     k = _row(x, dim)
-    top = 0.0
-    if x.numel():
-        rows = x.amax(dim) if x.dim() else x
-        finite = rows[torch.isfinite(rows)]
-        top = float(_f64(finite).abs().max()) if finite.numel() else 0.0
-    c = top + 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
+    scale, floor = SAFETY * _SLACK * ctx.u, SAFETY * (2 * k + 8) * ctx.tiny
+    c = 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
         (2 * _ulps(ctx, "log") + 2) * _log(k) + 2 * _ulps(ctx, "exp") + 3
-    return [Affine(SAFETY * _SLACK * ctx.u * c, SAFETY * (2 * k + 8) * ctx.tiny)]
+    if not x.numel():
+        return [Affine(scale * c, floor)]
+    tops = _finite_row_maxima(x, dim)
+    top = float(tops.max())
+    if top <= c:
+        return [Affine(scale * (c + top), floor)]
+    return [Affine(scale, floor, _f64(ys[0]).abs().mul_(tops.add_(c)))]
+
+
+def _finite_row_maxima(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """|M| per row along `dim` (kept as a dimension of one), in float64; 0 for a row whose
+    maximum is not finite (no finite result there)."""
+    rows = _f64(x.amax(dim, keepdim=True) if x.dim() else x)
+    return torch.where(torch.isfinite(rows), rows.abs(), 0.0)
 
 
 def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -828,8 +842,10 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
       c = −b·μ − S1·ρ·(1/N) from that same b, so b's error reaches dx = ρ·g·w + b·x + c as
       Δb·(x_i − μ), while the roundings of b·x and b·μ are u·|b|·|x_i| and u·|b|·|μ|; and the
       decomposition's (and CUDA's) form (ρ/N)·((N·g·w − S1) − x̂·Σ g·w·x̂), x̂ = (x − μ)·ρ.
-      Either: |Δdx_i| ≤ u·(5·ρ·A_i + (ρ³/N)·((K + 10)·Q·|x_i − μ| + 3·Q'·(|x_i| + |μ|)) +
-      (ρ/N)·P1·(K + 6)), K = N;
+      The products b̂·x and b̂·μ round on the computed b̂, which where S1·μ − ds cancels (a
+      constant row, μ·ρ large) is mostly error: |b̂| ≤ (ρ³/N)·(Q' + (K + 8)·u·Q). CUDA's form
+      rounds ρ·g·w-sized terms seven times. Either: |Δdx_i| ≤ u·(7·ρ·A_i + (ρ³/N)·((K + 10)·Q·
+      |x_i − μ| + 3·(Q' + (K + 8)·u·Q)·(|x_i| + |μ|)) + (ρ/N)·P1·(K + 6)), K = N;
     - dw: three roundings per term (g·(x − μ)·ρ, or g·(ρ·x − ρ·μ)) on |g|·(|x| + |μ|)·ρ, then
       a sum over the M rows: (M + 5)·u·Σ |g|·(|x| + |μ|)·ρ; db: a sum, (M + 1)·u·Σ |g|.
     Each e = SAFETY·1.02 times these, plus (N + 16) subnormal units (a product of four small
@@ -854,8 +870,9 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         q = (a * ax).sum(1, keepdim=True).add_(mu * p1)
         q_dev = (a * deviation).sum(1, keepdim=True)
         cube = rho.pow(3).div_(n)
-        spread = deviation.mul_(cube * q * (n + 10)).add_((ax + mu).mul_(cube * q_dev * 3))
-        base = a.mul_(rho * 5).add_(spread).add_((rho * p1).mul_((n + 6) / n))
+        b_hat = q_dev.add_(q * ((n + 8) * ctx.u))
+        spread = deviation.mul_(cube * q * (n + 10)).add_((ax + mu).mul_(cube * b_hat * 3))
+        base = a.mul_(rho * 7).add_(spread).add_((rho * p1).mul_((n + 6) / n))
         out.append(Affine(scale, floor, base.reshape(x.shape)))
     if mask[1] and w is not None:
         terms = (ax + mu).mul_(g2.abs()).mul_(rho)
@@ -872,7 +889,7 @@ def _layer_norm_backward_terms(args: tuple, kwargs: dict) -> float:
     return max(n, args[1].numel() // n if n else 0) + 20
 
 
-def _softmax_terms(args: tuple, kwargs: dict) -> float:
+def _row_terms(args: tuple, kwargs: dict) -> float:
     """The largest first-order coefficient (in units of u) of the softmax family's rules on
     rows of `args[0]` along `args[1]`, for `rule_of`'s limit: K·(2·n_exp + 4) at float32's
     n_exp = 2, plus the constants (|x_i − M| ≤ 745 where exp(x_i − M) does not underflow in
@@ -880,10 +897,18 @@ def _softmax_terms(args: tuple, kwargs: dict) -> float:
     return 8 * _row(args[0], args[1]) + 2400
 
 
+def _softmax_terms(args: tuple, kwargs: dict) -> float:
+    """`_row_terms` plus softmax's relative u·|M| (exp(x − (M + log s)) rounds M + log s): the
+    largest finite |M| of the rows (the same on every party: the inputs are the same bits)."""
+    x = args[0]
+    top = float(_finite_row_maxima(x, args[1]).max()) if x.numel() else 0.0
+    return _row_terms(args, kwargs) + top
+
+
 def _softmax_backward_terms(args: tuple, kwargs: dict) -> float:
-    """`_softmax_terms` for the backwards, whose rows are those of their output `args[1]`
-    along `args[2]`."""
-    return _softmax_terms(args[1:], kwargs)
+    """`_row_terms` for the backwards, whose rows are those of their output `args[1]` along
+    `args[2]`."""
+    return _row_terms(args[1:], kwargs)
 
 
 def _gelu_terms(args: tuple, kwargs: dict) -> float:
@@ -939,7 +964,7 @@ def _table() -> dict[str, Rule]:
 _COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
     name: (Rule(rule, fn, unsigned_zero=True), terms) for name, rule, fn, terms in (
         ("_softmax", "softmax", _softmax, _softmax_terms),
-        ("_log_softmax", "log-softmax", _log_softmax, _softmax_terms),
+        ("_log_softmax", "log-softmax", _log_softmax, _row_terms),
         ("_softmax_backward_data", "softmax-backward", _softmax_backward,
          _softmax_backward_terms),
         ("_log_softmax_backward_data", "log-softmax-backward", _log_softmax_backward,
@@ -970,8 +995,9 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
             unit_roundoff: float = 2.0**-53) -> Rule | None:
     """The bound rule of one op call, or None (then it is decomposed or refused).
     `unit_roundoff` is the compute dtype's u: a composite op's rule holds where its
-    first-order error is at most `_COMPOSITE_LIMIT`, which depends on it and the row length
-    (a decision on shapes alone, so every party decides alike)."""
+    first-order error is at most `_COMPOSITE_LIMIT`, which depends on it, the row length and,
+    for softmax, the rows' maxima (a decision on shapes and input values, which every party
+    holds bit for bit, so every party decides alike)."""
     if func in _PRIMS:
         return _PRIMS[func]
     name = func.overloadpacket.__name__

@@ -286,15 +286,16 @@ class RoundingMode(TorchDispatchMode):
             if writes and rule is not None and rule.reads_inputs:
                 inputs = tree_map(_copy_of({id(wide) for _, wide in writes}), inputs)
             out = self.compute(func, wide_args, wide_kwargs)
-        if unsigned_zero:  # −0 + 0 = +0, every other value as it is (`Rule.unsigned_zero`)
-            for leaf in tree_flatten(out)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                    leaf.add_(0.0)
         if (fixed or functional is not None) and writes:  # the results are the values written
             writes[:] = [(orig, r) for (orig, _), r in zip(writes, results, strict=True)]
             if not func._schema.returns:  # a foreach op's in-place form returns nothing
                 out = None
-        return self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
+        rounded = self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
+        if unsigned_zero:  # −0 + 0 = +0, every other value as it is (`Rule.unsigned_zero`)
+            for leaf in tree_flatten(rounded)[0] + [orig for orig, _ in writes]:
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    leaf.add_(0.0)
+        return rounded
 
     def _fused_pointwise(self, plan: _OpPlan, args, elements: list[pointwise.Elementwise]
                          ) -> tuple[Any] | None:

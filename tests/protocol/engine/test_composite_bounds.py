@@ -326,7 +326,11 @@ def check(family: str, func, arrays: list[np.ndarray], rest: tuple, exact_fn: Ca
 @pytest.mark.parametrize("kind", KINDS)
 def test_softmax_forward(kind, k):
     x = rows(kind, k, seed=k)
-    check("softmax", aten._softmax.default, [x], (1, False), exact_softmax, softmax_formulas())
+    if rule_of(aten._softmax.default, (t64(x), 1, False), {}) is None:
+        assert kind in ("huge", "ties-at-2**52")  # u·|M| beyond the first-order limit
+    else:
+        check("softmax", aten._softmax.default, [x], (1, False), exact_softmax,
+              softmax_formulas())
     check("log-softmax", aten._log_softmax.default, [x], (1, False), exact_log_softmax,
           log_softmax_formulas())
 
@@ -498,7 +502,7 @@ def test_gelu_bound_has_teeth_and_its_tanh_form_is_decomposed():
 
 # -- layer norm's backward ---------------------------------------------------------------------
 
-def layer_norm_inputs(kind: str, m: int, n: int, seed: int):
+def layer_norm_inputs(kind: str, m: int, n: int, seed: int, eps: float = 1e-5):
     """(g, x, mean, rstd, w, b) of float32 values: the forward's rounded mean and rstd of x,
     and upstream gradients, by kind: ordinary; a large mean over a small spread (x − μ and
     S1·μ − ds cancel; ρ large); near-constant gradients (N·g·w − S1 cancels); mixed
@@ -515,8 +519,11 @@ def layer_norm_inputs(kind: str, m: int, n: int, seed: int):
         x = x * np.ldexp(1.0, rng.integers(-20, 20, (m, n)))
         g = g * np.ldexp(1.0, rng.integers(-30, 30, (m, n)))
         w[::3] = 0.0
+    elif kind == "constant-large":  # μ·ρ = 1e10: S1·μ − ds is all rounding error, b̂ too
+        x = np.full((m, n), 1e4)
+        eps = 1e-12
     x, g, w, b = f32(x), f32(g), f32(w), f32(rng.standard_normal(n))
-    _, mean, rstd = aten.native_layer_norm.default(t64(x), [n], t64(w), t64(b), 1e-5)
+    _, mean, rstd = aten.native_layer_norm.default(t64(x), [n], t64(w), t64(b), eps)
     return g, x, f32(mean.numpy()), f32(rstd.numpy()), w, b
 
 
@@ -555,7 +562,8 @@ def layer_norm_backward_formulas(order: str) -> Callable:
     return run
 
 
-@pytest.mark.parametrize("kind", ["normal", "offset", "near-constant-grad", "mixed"])
+@pytest.mark.parametrize("kind", ["normal", "offset", "near-constant-grad", "mixed",
+                                  "constant-large"])
 @pytest.mark.parametrize("shape", [(6, 7), (40, 64), pytest.param((300, 96),
                                                                   marks=pytest.mark.slow)])
 def test_layer_norm_backward(kind, shape):
@@ -630,3 +638,32 @@ def test_empty_rows_and_zero_signs():
     assert torch.signbit(native[0, 1])  # ATen's CPU form: −0
     assert torch.equal(results["native"].view(torch.int32), results["emulated"].view(torch.int32))
     assert not torch.signbit(results["native"]).any()
+
+
+def test_softmax_rows_far_from_zero_and_masked_rows():
+    """Where u·|M| breaks the first-order limit (rows at 2**55: exp(x − (M + log s)) may drop
+    log s entirely) softmax is decomposed; a row masked with −1e9 keeps the rule but widens
+    no other row's band (each row's own |M| then); and a result that rounds to zero is +0
+    whichever order summed it (log-softmax's backward, ŝ = ±2**-10 by order)."""
+    from protocol.engine.interceptor import RoundingMode
+    from protocol.engine.rounding import SiteRecorder
+    func = aten._softmax.default
+    assert rule_of(func, (torch.full((2, 50), 2.0**55, dtype=torch.float64), 1, False), {}) \
+        is None
+    x = t64(rows("normal", 64, seed=3, n=4))
+    y = torch.softmax(x, 1)
+    masked = torch.cat([torch.full((1, 64), -1e9, dtype=torch.float64), x])
+    alone = bound_of(func, [x], (1, False), y.numpy())
+    beside = bound_of(func, [masked], (1, False), torch.softmax(masked, 1).numpy())[1:]
+    assert (beside <= alone * (1 + 2**-40)).all()  # (the two paths round their products apart)
+    g = torch.tensor([[0.0, 2.0**60, -(2.0**60), 2.0**-10, -(2.0**-10)]])
+    y = torch.tensor([[-300.0, -1.0, -1.0, -1.0, -1.0]])
+    bits = set()
+    for compute in (None, SplitK(seed=1, chunks=2, order="reversed"),
+                    SplitK(seed=1, chunks=5, order="permuted")):
+        kw = {} if compute is None else {"compute": compute}
+        with RoundingMode(POLICY, SiteRecorder(POLICY), **kw):
+            dx = aten._log_softmax_backward_data.default(g, y, 1, torch.float32)
+        assert not torch.signbit(dx[0, 0])
+        bits.add(dx.view(torch.int32)[0, 0].item())
+    assert bits == {0}
