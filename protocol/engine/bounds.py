@@ -840,11 +840,11 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     - ATen's CPU form: S1 and ds = Σ g·w·x in any order, b = (S1·μ − ds)·ρ·ρ·ρ·(1/N) (the
       difference cancels, within (K + 3)·u·Q; five roundings more on at most ρ³·Q'/N),
       c = −b·μ − S1·ρ·(1/N) from that same b, so b's error reaches dx = ρ·g·w + b·x + c as
-      Δb·(x_i − μ), while the roundings of b·x and b·μ are u·|b|·|x_i| and u·|b|·|μ|; and the
-      decomposition's (and CUDA's) form (ρ/N)·((N·g·w − S1) − x̂·Σ g·w·x̂), x̂ = (x − μ)·ρ.
-      The products b̂·x and b̂·μ round on the computed b̂, which where S1·μ − ds cancels (a
-      constant row, μ·ρ large) is mostly error: |b̂| ≤ (ρ³/N)·(Q' + (K + 8)·u·Q). CUDA's form
-      rounds ρ·g·w-sized terms seven times. Either: |Δdx_i| ≤ u·(7·ρ·A_i + (ρ³/N)·((K + 10)·Q·
+      Δb·(x_i − μ), while b̂·x and b̂·μ round by u·|b̂|·|x_i| and u·|b̂|·|μ| on the computed
+      b̂, which where S1·μ − ds cancels (a constant row, μ·ρ large) is mostly error:
+      |b̂| ≤ (ρ³/N)·(Q' + (K + 8)·u·Q); and the decomposition's (and CUDA's) form
+      (ρ/N)·((N·g·w − S1) − x̂·Σ g·w·x̂), x̂ = (x − μ)·ρ, whose CUDA kernel rounds
+      ρ·g·w-sized terms seven times. Either: |Δdx_i| ≤ u·(7·ρ·A_i + (ρ³/N)·((K + 10)·Q·
       |x_i − μ| + 3·(Q' + (K + 8)·u·Q)·(|x_i| + |μ|)) + (ρ/N)·P1·(K + 6)), K = N;
     - dw: three roundings per term (g·(x − μ)·ρ, or g·(ρ·x − ρ·μ)) on |g|·(|x| + |μ|)·ρ, then
       a sum over the M rows: (M + 5)·u·Σ |g|·(|x| + |μ|)·ρ; db: a sum, (M + 1)·u·Σ |g|.
