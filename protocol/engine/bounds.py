@@ -663,11 +663,13 @@ def _foreach(inner: RuleFn) -> RuleFn:
 # Each softmax proof bounds, to first order in u, the error of a family of algorithms: every
 # summation order and blocking; a two-pass kernel (the row maximum M, then Σ exp(x − M)), an
 # online one (a running maximum, the partial sum rescaled by exp(m_old − m_new) as it grows:
-# flash attention's), and the log-sum-exp epilogue exp(x − M − log s); a division or a
-# reciprocal and a multiply; FMA or not. GELU's covers erf and erfc forms in any association.
-# The products of two or more relative errors add less than 2% to the first-order sum
-# (`_SLACK`) wherever that sum is at most 1/128, which `rule_of` checks from the row length
-# (`_COMPOSITE_LIMIT`); beyond it the op is decomposed. The math functions' errors are
+# flash attention's), and the log-sum-exp epilogues exp((x − M) − log s) and
+# exp(x − (M + log s)); a division or a reciprocal and a multiply; FMA or not. GELU's covers erf
+# and erfc forms in any association; layer norm backward's ATen's CPU form and the
+# decomposition's. The products of two or more relative errors add less than 2% to the
+# first-order sum (`_SLACK`) wherever that sum is at most 1/128, which `rule_of` checks from
+# the row length, and for softmax its rows' maxima (`_COMPOSITE_LIMIT`); beyond it the op is
+# decomposed. The math functions' errors are
 # `_MAX_ULPS`'s (exp, log, div, erf, erfc: n ULPs, at most 2n·u relative).
 
 _SLACK = 1.02
@@ -755,7 +757,7 @@ def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     k = _row(x, dim)
     scale = SAFETY * _SLACK * ctx.u
     c = _row_sum_error(ctx, k) + (2 * _ulps(ctx, "log") + 2) * _log(k)
-    top = _f64(x.amax(dim, keepdim=True)).abs_() if x.numel() else _f64(x)
+    top = _finite_row_maxima(x, dim) if x.numel() else _f64(x)
     return [Affine(scale, SAFETY * (k + 4) * ctx.tiny,
                    torch.add(top.add_(c), _f64(ys[0]).abs(), alpha=2))]
 
