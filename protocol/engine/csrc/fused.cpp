@@ -33,10 +33,10 @@
 #include <tuple>
 #include <vector>
 
-// The vectorised loops are compiled twice on x86-64, for AVX2 and for the baseline, and the
+// The vectorised loops are compiled three times on x86-64, for AVX-512, AVX2 and the baseline, and the
 // loader picks one by the CPU (identical bits: IEEE operations only, no FMA contraction).
 #if defined(__x86_64__) && defined(__GNUC__)
-#define OVT_CLONES __attribute__((target_clones("avx2", "default")))
+#define OVT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define OVT_CLONES
 #endif
