@@ -29,15 +29,16 @@ from protocol.engine import fused
 from protocol.engine.bounds import Affine, Bound
 from protocol.engine.precision import PrecisionPolicy, band_candidates
 
-_RELATIVE, _ROWS, _OUTER = 0, 1, 2  # csrc/fused.cpp `Mode`
+_RELATIVE, _ROWS, _OUTER, _PLUS = 0, 1, 2, 3  # csrc/fused.cpp `Mode`
 _FUSED_PAIR = (torch.float64, torch.float32)
 
 
 @dataclass(frozen=True)
 class _FlatBound:
     """One result's bound over its flat values, as `csrc/fused.cpp` reads it: element i's base is
-    |y_i| (relative), m[i // inner] (rows), or m[i // inner]·col[(i // (rows·inner))·inner +
-    i % inner] (+ add[i % inner] or add[i]) (outer); e = base·scale + floor."""
+    |y_i| (relative), m[i // inner] (rows), m[i // inner]·col[(i // (rows·inner))·inner +
+    i % inner] (+ add[i % inner] or add[i]) (outer), or |y_i| + weight·|add[i]| (plus);
+    e = base·scale + floor."""
 
     mode: int
     scale: float
@@ -47,11 +48,15 @@ class _FlatBound:
     add: torch.Tensor | None = None
     inner: int = 1
     rows: int = 1
+    weight: float = 0.0
 
     def at(self, flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """e at the flat indices `idx`, NaN as +inf (as `dense_bounds`)."""
         if self.mode == _RELATIVE:
             base = flat[idx].abs()
+        elif self.mode == _PLUS:
+            assert self.add is not None
+            base = self.add[idx].abs().mul_(self.weight).add_(flat[idx].abs())
         else:
             assert self.m is not None
             row = idx // self.inner
@@ -105,7 +110,7 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
                                                     device=flat.device)
         cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), r, spec.mode, spec.m,
                                                 spec.col, spec.add, spec.inner, spec.rows,
-                                                spec.scale, spec.floor)
+                                                spec.scale, spec.floor, spec.weight)
         if not cand.numel():
             return r, None, None, None
         return r, cand, ev, yv
@@ -143,7 +148,8 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
     spec = _flat_bound(y, bound)
     return torch.ops.ovt.apply_entries(flat.contiguous(), r, offset, *entries, spec.mode,
                                        spec.m, spec.col, spec.add, spec.inner, spec.rows,
-                                       spec.scale, spec.floor, policy.overflow, float(wide))
+                                       spec.scale, spec.floor, spec.weight, policy.overflow,
+                                       float(wide))
 
 
 def _fused_serves(flat: torch.Tensor, policy: PrecisionPolicy) -> bool:
@@ -179,7 +185,10 @@ def _flat_bound(y: torch.Tensor, b: Affine | torch.Tensor | float) -> _FlatBound
 
 def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
     if b.m is None:
-        return _FlatBound(_RELATIVE, b.scale, b.floor)
+        if b.other is None:
+            return _FlatBound(_RELATIVE, b.scale, b.floor)
+        return _FlatBound(_PLUS, b.scale, b.floor, add=_float64(b.other.expand(y.shape)),
+                          weight=b.weight)
     if b.col is None:
         return _rows(y, b.m, b.scale, b.floor)
     rows, inner = y.shape[-2], y.shape[-1]

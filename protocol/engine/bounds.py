@@ -61,7 +61,9 @@ class Affine:
     pass (`protocol.engine.fused`) computes it in its one read of the site's values instead of
     writing and reading a tensor of bounds. `base` is
 
-    - `|y|` where `m` is None (the relative rules);
+    - `|y|` where `m` is None (the relative rules), plus `weight·|other|` where `other` is given:
+      `other` a tensor of `y`'s shape, for the composite rules relative to their result and an
+      operand (GELU's x, its backward's g), so that no tensor of bases is written;
     - `m`, broadcast to `y` (the reductions' `S`);
     - `m[..., i]·col[..., j] + add` for a `y` of shape (..., M, N), where `col` is given: the
       Cauchy–Schwarz bound of the matmul family, `m` (..., M) and `col` (..., N) the norms,
@@ -76,11 +78,15 @@ class Affine:
     m: torch.Tensor | None = None
     col: torch.Tensor | None = None
     add: torch.Tensor | None = None
+    other: torch.Tensor | None = None
+    weight: float = 0.0
 
     def dense(self, y: torch.Tensor) -> torch.Tensor:
         """e as a tensor broadcastable to `y` (the site values this bound belongs to)."""
         if self.m is None:
             base = y.abs()
+            if self.other is not None:
+                base = _f64(self.other).abs().mul_(self.weight).add_(base)
         elif self.col is None:
             base = self.m
         else:
@@ -812,9 +818,8 @@ def _gelu(ctx, func, args, kwargs, ys) -> list[Bound]:
     2·|y_i|), plus 4 subnormal units (a tail result below the normals). Absolute in x: deep in
     the negative tail, where 1 + erf cancels, the result is tiny and the bound is not — those
     elements log their values, as they must, since machines differ there."""
-    x = _f64(args[0])
-    base = torch.add(_f64(ys[0]).abs(), x.abs(), alpha=_gelu_cdf_error(ctx) / 4).mul_(2)
-    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
+    return [Affine(2 * SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny,
+                   other=args[0], weight=_gelu_cdf_error(ctx) / 4)]
 
 
 def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -826,10 +831,8 @@ def _gelu_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     largest x³·φ(x) is 0.464); their sum one rounding on |Φ + xφ| < 1.13; the product with g one
     on |dx|: e_i = SAFETY·1.02·u·(|g_i|·(C/2 + 0.242·(2·n_exp + 7) + 1.13 + 1) + |dx_i|), plus
     4 subnormal units."""
-    g = _f64(args[0])
     c = _gelu_cdf_error(ctx) / 2 + 0.242 * (2 * _ulps(ctx, "exp") + 7) + 1.13 + 1.0
-    base = torch.add(_f64(ys[0]).abs(), g.abs(), alpha=c)
-    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, base)]
+    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * 4 * ctx.tiny, other=args[0], weight=c)]
 
 
 def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:

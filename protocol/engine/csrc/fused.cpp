@@ -33,8 +33,9 @@
 #include <tuple>
 #include <vector>
 
-// The vectorised loops are compiled three times on x86-64, for AVX-512, AVX2 and the baseline, and the
-// loader picks one by the CPU (identical bits: IEEE operations only, no FMA contraction).
+// The vectorised loops are compiled three times on x86-64, for AVX-512, AVX2 and the baseline,
+// and the loader picks one by the CPU (identical bits: IEEE operations per element, no FMA
+// contraction; what combines elements, a minimum or an `or`, is order-free).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define OVT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -70,6 +71,7 @@ enum Mode : int64_t {
   kRows = 1,      // base = m[i / inner]  (m holds one value per run of `inner` elements)
   kOuter = 2,     // base = m[i / inner] * col[(i / (rows * inner)) * inner + i % inner]
                   //        (+ add[i % inner] or + add[i], where `add` is given)
+  kPlus = 3,      // base = |y_i| + weight * |add[i]|  (`add` one value per element)
 };
 
 struct Spec {
@@ -82,6 +84,7 @@ struct Spec {
   int64_t rows;
   double scale;
   double floor;
+  double weight;  // kPlus's
 };
 
 __attribute__((always_inline)) inline double as_double(int64_t bits) { return __builtin_bit_cast(double, bits); }
@@ -90,6 +93,7 @@ __attribute__((always_inline)) inline double as_double(int64_t bits) { return __
 // same order), for sparse use: the band pass finds it row by row instead (`scan`).
 inline double base_at(const Spec& s, const double* y, int64_t i) {
   if (s.mode == kRelative) return std::fabs(y[i]);
+  if (s.mode == kPlus) return std::fabs(y[i]) + s.weight * std::fabs(s.add[i]);
   const int64_t row = i / s.inner;
   if (s.mode == kRows) return s.m[row];
   const int64_t j = i % s.inner;
@@ -173,6 +177,16 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   const double scale = s.scale, floor = s.floor;
   if (s.mode == kRelative) {
     scan_range(y, r, begin, end, scale, floor, [](int64_t, double v) { return std::fabs(v); },
+               out);
+    return;
+  }
+  if (s.mode == kPlus) {
+    const double* add = s.add;
+    const double weight = s.weight;
+    scan_range(y, r, begin, end, scale, floor,
+               [add, weight](int64_t i, double v) {
+                 return std::fabs(v) + weight * std::fabs(add[i]);
+               },
                out);
     return;
   }
@@ -381,9 +395,10 @@ const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const ch
 // The bound of a result of n elements in the form bandpass.py `_FlatBound` gives it.
 Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
                const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add,
-               int64_t inner, int64_t rows, double scale, double floor, const char* op) {
+               int64_t inner, int64_t rows, double scale, double floor, double weight,
+               const char* op) {
   Spec s{mode,  nullptr, nullptr, nullptr, false, std::max<int64_t>(inner, 1),
-         std::max<int64_t>(rows, 1), scale, floor};
+         std::max<int64_t>(rows, 1), scale, floor, weight};
   if (mode == kRows || mode == kOuter) {
     TORCH_CHECK(n % s.inner == 0, op, ": ", n, " elements are not runs of ", s.inner);
     s.m = factor(m, n / s.inner, op, "m");
@@ -395,6 +410,8 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
         s.add = factor(add, s.add_per_column ? s.inner : n, op, "add");
       }
     }
+  } else if (mode == kPlus) {
+    s.add = factor(add, n, op, "add");
   } else {
     TORCH_CHECK(mode == kRelative, op, ": unknown mode ", mode);
   }
@@ -404,7 +421,7 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> round_band(
     const at::Tensor& y, const at::Tensor& r, int64_t mode, const c10::optional<at::Tensor>& m,
     const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
-    int64_t rows, double scale, double floor) {
+    int64_t rows, double scale, double floor, double weight) {
   TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
                   y.device().is_cpu(),
               "round_band: y must be a 1-D contiguous float64 CPU tensor");
@@ -412,7 +429,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> round_band(
   TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
                   r.device().is_cpu() && r.numel() == n,
               "round_band: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
-  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, "round_band");
+  const Spec s =
+      make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, "round_band");
   const double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
   const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
@@ -482,7 +500,7 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
                    const at::Tensor& value_indices, const at::Tensor& values, int64_t mode,
                    const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& col,
                    const c10::optional<at::Tensor>& add, int64_t inner, int64_t rows,
-                   double scale, double floor, double overflow, double wide) {
+                   double scale, double floor, double weight, double overflow, double wide) {
   TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
                   y.device().is_cpu(),
               "apply_entries: y must be a 1-D contiguous float64 CPU tensor");
@@ -494,7 +512,8 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
               "apply_entries: up must be a contiguous bool tensor, one per index");
   TORCH_CHECK(values.numel() == value_indices.numel(),
               "apply_entries: values must be one per value index");
-  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, "apply_entries");
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight,
+                           "apply_entries");
   const double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
   const int64_t* dir = entry_indices(indices, "indices");
@@ -664,14 +683,15 @@ void philox(uint32_t key0, uint32_t key1, uint64_t first_block, int64_t blocks, 
 TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "round_band(Tensor y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
-      "int inner, int rows, float scale, float floor) -> (Tensor, Tensor, Tensor)");
+      "int inner, int rows, float scale, float floor, float weight) -> (Tensor, Tensor, Tensor)");
   lib.def(
       "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> (Tensor, bool)");
   lib.def(
       "apply_entries(Tensor y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
       "Tensor value_indices, Tensor values, int mode, Tensor? m, Tensor? col, Tensor? add, "
-      "int inner, int rows, float scale, float floor, float overflow, float wide) -> bool");
+      "int inner, int rows, float scale, float floor, float weight, float overflow, "
+      "float wide) -> bool");
   lib.def(
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");

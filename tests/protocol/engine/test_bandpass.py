@@ -2,10 +2,10 @@
 
 Each site is built to be hard: values on and next to rounding boundaries, exact zeros,
 target-subnormal and compute-subnormal values, NaN, ±inf, values that overflow the target,
-and every form of bound a rule gives (`Affine` relative, rows, outer with and without an added
-matrix, batched; a tensor, a number, NaN and infinite bounds, zero). The two paths must give
-the same rounded bits, the same candidates and the same bounds at them; whole steps of both
-built-ins must give the same logs and states.
+and every form of bound a rule gives (`Affine` relative, relative plus an operand's
+magnitudes, rows, outer with and without an added matrix, batched; a tensor, a number, NaN and
+infinite bounds, zero). The two paths must give the same rounded bits, the same candidates and
+the same bounds at them; whole steps of both built-ins must give the same logs and states.
 """
 
 from __future__ import annotations
@@ -84,6 +84,10 @@ def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
         ("relative", y2, Affine(2.0**-50, 1e-323)),
         ("relative, zero floor", y2, Affine(2.0**-44, 0.0)),
         ("relative, transposed", y2.t(), Affine(2.0**-50, 1e-323)),
+        # GELU's and its backward's form; `other` holds NaN, ±inf and subnormals too
+        ("plus", y2, Affine(2.0**-50, 1e-323, other=hard_values(rng, (37, 53)), weight=0.7)),
+        ("plus, transposed", y2.t(),
+         Affine(2.0**-49, 0.0, other=hard_values(rng, (37, 53)).t(), weight=12.25)),
         ("rows, full", y2, Affine(3.0e-16, 2e-322, hard_bounds(rng, y2))),
         ("rows, per row", y4, Affine(1e-15, 1e-320, norms(4, 5, 1, 1))),
         ("rows, per leading", y4, Affine(1e-15, 0.0, norms(4, 1, 1, 1))),
