@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import torch
 
-from protocol.engine import fused
+from protocol.engine import fused, normops
 from protocol.engine.precision import PrecisionPolicy, target_ulp
 
 SAFETY = 2.0
@@ -922,6 +922,115 @@ def _gelu_terms(args: tuple, kwargs: dict) -> float:
     return 50.0 if kwargs.get("approximate", "none") == "none" else math.inf
 
 
+# -- norm statistics (bound rules version 4) ---------------------------------------------------
+#
+# Layer norm and batch norm (training) run as ovt's own two ops (`protocol.engine.normops`):
+# the statistics of each row, one site with the rule below, and the normalize formula, a fixed
+# formula (e = 0). Their mean and rstd are rounded to the target before the formula reads them,
+# so the bound's K·u terms widen the bands of the few statistics only, never those of the
+# outputs; and the variance is two-pass, its error relative to the variance itself (plus the
+# mean's error squared), so rows whose mean is large against their spread stay certified. Where
+# that squared term is not small against the variance and eps (a constant row far from zero
+# with eps 0, say), or where the squares could overflow, the op runs as its decomposition.
+
+def _compute_dtype(unit_roundoff: float) -> torch.dtype:
+    """The compute dtype whose unit roundoff is `unit_roundoff`."""
+    return next(d for d in (torch.float64, torch.float32)
+                if torch.finfo(d).eps / 2 == unit_roundoff)
+
+
+def _rstd_error(compute: torch.dtype) -> float:
+    """c_ρ: rsqrt's relative error in units of u (n ULPs: 2n·u), or 1/sqrt's (sqrt's, and 2u
+    for a division or a reciprocal), whichever is larger."""
+    factor = _FLOAT32_FACTOR if compute == torch.float32 else 1.0
+    return max(2 * _MAX_ULPS["rsqrt"] * factor, 2 * _MAX_ULPS["sqrt"] * factor + 2)
+
+
+def _norm_stats_rule(args: tuple, kwargs: dict, unit_roundoff: float) -> Rule | None:
+    """norm_stats(x, dims, eps) -> (μ̂, v̂, ρ̂) over rows of K elements: its own rule where it
+    holds on these inputs, else None (decomposed). With M = max |x| of a row and Δμ = (K + 1)·
+    u·M, every conforming machine computes
+    - μ̂: the sum in any order and blocking, γ_{K−1}·Σ |x| ≤ (K − 1)·u·K·M (Higham §3.1), then
+      divided by K (u) or multiplied by a rounded 1/K (2u): |μ̂ − μ| ≤ Δμ;
+    - v̂: d_j = x_j − μ̂ (u), d_j² (3u in all), a sum of K nonnegative terms in any order
+      (γ_{K−1}, relative to the sum), ÷K (2u): v̂ = V'·(1 + θ_{K+4}) with
+      V' = Σ (x_j − μ̂)² / K = v + (μ − μ̂)² exactly (Σ (x_j − μ) = 0), so
+      |v̂ − v| ≤ (K + 4)·u·v + A, A = Δμ² (to first order; v̂ ≥ 0 always);
+    - ρ̂: t̂ = v̂ + eps (u·t), then rsqrt (2·n_rsqrt·u) or 1/sqrt (2·n_sqrt·u + 2u), c_ρ·u
+      (`_rstd_error`): |ρ̂ − ρ| ≤ ρ·(½·((K + 5)·u + A/t) + c_ρ·u), where
+      t = v + eps ≥ eps + R²/(2K), R = max x − min x of the row (K·v ≥ R²/2).
+    Where the squares or the division underflow (bfloat16 values in float32) each adds half a
+    subnormal unit: A and Δμ carry (K + 4) and (K + 2) units, a subnormal ρ̂ c_ρ units. Each
+    e is SAFETY·1.02 times its sum, with A/t taken at the tensor's largest M and smallest R
+    (an upper bound for every row), so the three bounds are relative to the results and the
+    rows' M (`Affine`, evaluated in the band pass).
+
+    The rule holds where eps ≥ 0 (else v/t, which the variance's term takes as at most 1, is
+    unbounded: a negative eps can cancel the variance), every first-order relative term is at
+    most 1/128: ((K + 5)/2 + c_ρ)·u and A/t (A at the largest M over eps + R²/(2K) at the
+    smallest R, which must be positive), and K·M² is below a quarter of the compute dtype's
+    largest value (no square or sum overflows). The extremes are exact selections and the test
+    IEEE operations on them in Python floats, so every party decides alike."""
+    x, dims, eps = args[0], list(args[1]), float(args[2])
+    k = math.prod(x.shape[d] for d in dims)
+    compute = _compute_dtype(unit_roundoff)
+    info = torch.finfo(compute)
+    u, tiny, c_rho = unit_roundoff, info.smallest_normal * info.eps, _rstd_error(compute)
+    if not x.numel() or ((k + 5) / 2 + c_rho) * u > _COMPOSITE_LIMIT:
+        return None
+    top, bottom = _f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True))
+    m = torch.maximum(top.abs(), bottom.abs())
+    m_max, r_min = float(m.max()), float((top - bottom).min())
+    dmu = (k + 1) * u * m_max + (k + 2) * tiny
+    a = dmu * dmu + (k + 4) * tiny
+    t_low = eps + r_min * r_min / (2 * k)
+    if not (eps >= 0 and t_low > 0 and a <= t_low * _COMPOSITE_LIMIT
+            and k * m_max * m_max <= info.max / 4):
+        return None  # (a NaN M, R or eps fails every comparison)
+    slack = SAFETY * _SLACK
+    bounds: list[Bound] = [Affine(slack * (k + 1) * u, slack * (k + 2) * tiny, m),
+              Affine(slack * (k + 4) * u, slack * a),
+              Affine(slack * (0.5 * ((k + 5) * u + a / t_low) + c_rho * u), SAFETY * c_rho * tiny)]
+    return Rule("norm-stats", lambda ctx, func, wide_args, wide_kwargs, ys: bounds)
+
+
+def _norm_backward_stats(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """norm_backward_stats(g, x, μ̂, dims) -> (Σ g, Σ g·(x − μ̂)) over rows of K elements, μ̂
+    an input (a rounded mean): the first a K-term sum, γ_K·Σ |g|; the second's terms round
+    twice (x − μ̂, then the product) before a K-term sum in any order: γ_{K+1}·Σ |g|·|x − μ̂|
+    ≤ γ_{K+1}·G·D, G = Σ |g| and D = max |x − μ̂| of the row (Higham §3.1, as `sum_bound`;
+    a product of bfloat16 values may underflow in float32: its K subnormal units). Where it
+    does not hold `rule_of` declines (`_norm_backward_stats_rule`)."""
+    g, x, mean, dims = _f64(args[0]), args[1], _f64(args[2]), list(args[3])
+    k = math.prod(x.shape[d] for d in dims)
+    total = g.abs().sum(dims, keepdim=True)
+    spread = torch.maximum((_f64(x.amax(dims, keepdim=True)) - mean).abs_(),
+                           (_f64(x.amin(dims, keepdim=True)) - mean).abs_())
+    return [ctx.sum_bound(k, total), ctx.sum_bound(k + 1, total * spread)]
+
+
+_NORM_BACKWARD_STATS = Rule("norm-backward-stats", _norm_backward_stats)
+
+
+def _norm_backward_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:
+    """norm_backward_stats's rule where it holds, else None (decomposed): the mean constant
+    along the reduced dimensions (a dimension of one there, as the rule's D assumes) and, in a
+    float32 compute dtype, K·max |g|·(max |x| + max |μ̂|) below a quarter of its largest value,
+    so that no difference, product or partial sum overflows in any order (in float64 no
+    product or sum of K float32 values can). A decision on shapes and exact selections, the
+    same on every party."""
+    g, x, mean, dims = args[0], args[1], args[2], list(args[3])
+    if mean.dim() != x.dim() or any(mean.shape[d] != 1 for d in dims):
+        return None
+    compute = _compute_dtype(unit_roundoff)
+    if compute == torch.float64 or not g.numel():
+        return _NORM_BACKWARD_STATS
+    k = math.prod(x.shape[d] for d in dims)
+    mean_top = float(_f64(mean).abs().max()) if mean.numel() else 0.0
+    top = float(_f64(g).abs().max()) * (float(_f64(x).abs().max()) + mean_top)
+    return _NORM_BACKWARD_STATS if k * top <= torch.finfo(compute).max / 4 else None
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 def _table() -> dict[str, Rule]:
@@ -1001,10 +1110,16 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     """The bound rule of one op call, or None (then it is decomposed or refused).
     `unit_roundoff` is the compute dtype's u: a composite op's rule holds where its
     first-order error is at most `_COMPOSITE_LIMIT`, which depends on it, the row length and,
-    for softmax, the rows' maxima (a decision on shapes and input values, which every party
-    holds bit for bit, so every party decides alike)."""
+    for softmax and norm statistics, the rows' extremes (a decision on shapes and input values,
+    which every party holds bit for bit, so every party decides alike)."""
     if func in _PRIMS:
         return _PRIMS[func]
+    if func == normops.NORM_STATS:
+        return _norm_stats_rule(args, kwargs, unit_roundoff)
+    if func == normops.NORM_BACKWARD_STATS:
+        return _norm_backward_stats_rule(args, unit_roundoff)
+    if func in (normops.NORMALIZE, normops.NORMALIZE_BACKWARD):  # IEEE operations (`normops`)
+        return FIXED_FORMULA
     name = func.overloadpacket.__name__
     composite = _COMPOSITE.get(name)
     if composite is not None:

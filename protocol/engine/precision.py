@@ -41,8 +41,10 @@ from protocol.errors import ConfigError
 # (`protocol.engine.pointwise`) instead of bounded ATen kernels. Version 3: softmax,
 # log-softmax, GELU (its exact form), their backwards and layer norm's backward carry own rules
 # (`bounds`, "composite ops") instead of being decomposed: one site each where there were up to
-# fifteen.
-RULES_VERSION = 3
+# fifteen. Version 4: layer norm and batch norm (training) run as two sites, their statistics
+# with an own rule and the normalize formula, a fixed formula (`normops`), instead of a dozen
+# primitives.
+RULES_VERSION = 4
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute
 # dtype's `.to(target)` must be a single correctly rounded nearest-even conversion, which holds

@@ -3,9 +3,9 @@
 Two GPUs (or a GPU and a CPU) give different bits mainly because their kernels sum products in
 different orders and blockings. `SplitK` reproduces that on one CPU: it splits the reduced
 dimension of each mm / addmm / bmm / convolution (forward and backward) / sum / mean (and the
-row sums of the softmax family, computed in another conforming form, as GELU is) into
-`chunks` pieces, reduces each piece with the native kernel, and combines the partial results in
-one of three orders (`ORDERS`), each the shape of a real kernel family:
+row sums of the softmax family and of the norm statistics, computed in another conforming form,
+as GELU is) into `chunks` pieces, reduces each piece with the native kernel, and combines the
+partial results in one of three orders (`ORDERS`), each the shape of a real kernel family:
 
 - "permuted": sequential adds in an order permuted by the profile's seed (a split-K GEMM whose
   workers finish in an arbitrary but fixed order and accumulate into one buffer);
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from protocol.engine import normops
 from protocol.engine.rng import RandomStream
 
 aten = torch.ops.aten
@@ -106,6 +107,8 @@ class SplitK:
             aten._log_softmax_backward_data.default: self._log_softmax_backward,
             aten.gelu.default: self._gelu, aten.gelu_backward.default: self._gelu_backward,
             aten.native_layer_norm_backward.default: self._layer_norm_backward,
+            normops.NORM_STATS: self._norm_stats,
+            normops.NORM_BACKWARD_STATS: self._norm_backward_stats,
         }
 
     def __repr__(self) -> str:
@@ -261,6 +264,25 @@ class SplitK:
         if mask[2] and bias is not None:
             db = self._sum_dim(aten.sum.dim_IntList, g2, [0]).reshape(bias.shape)
         return dx, dw, db
+
+    def _norm_stats(self, func, x, dims, eps):
+        """Another form its rule covers (`bounds._norm_stats_rule`): the sums split and
+        combined in this profile's order, each multiplied by a rounded 1/K instead of divided
+        by K, and rstd as 1/sqrt."""
+        k = prod(x.shape[d] for d in dims)
+        if not x.numel():
+            return func(x, dims, eps)
+        mean = self._sum_dim(aten.sum.dim_IntList, x, dims, True) * (1 / k)
+        deviation = x - mean
+        var = self._sum_dim(aten.sum.dim_IntList, deviation * deviation, dims, True) * (1 / k)
+        return mean, var, 1 / (var + eps).sqrt()
+
+    def _norm_backward_stats(self, func, grad, x, mean, dims):
+        """Its two sums split and combined in this profile's order."""
+        if not x.numel():
+            return func(grad, x, mean, dims)
+        return (self._sum_dim(aten.sum.dim_IntList, grad, dims, True),
+                self._sum_dim(aten.sum.dim_IntList, grad * (x - mean), dims, True))
 
 
 _SQRT_HALF = math.sqrt(0.5)

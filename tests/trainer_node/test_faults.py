@@ -57,6 +57,11 @@ EXPECTED_LEAF_CHANGE = {
     # a doubled learning rate changes only step k's update, whose elements are far inside their
     # certified bands: L_k may equal the honest log (None: either way)
     "lr": (True, None),
+    # a relabelled example changes the loss, the backward and the update; where none of their
+    # elements lies in a band (a tiny job's step may log its forward alone) L_k is the honest
+    # log, and where the entries that differ fit the honest values too it replays validly: the
+    # audit then finds the state instead of a violation, at step k all the same
+    "relabel": (True, None),
 }
 
 
@@ -126,7 +131,8 @@ def test_a_training_fault_cheats_at_k_and_an_audit_catches_it_there(job, tmp_pat
         assert faulty.leaf(k).log_hash == EMPTY_LOG_DIGEST
     outcome = _audit(job, faulty, tmp_path / "auditor")
     assert outcome.first_divergent_step == k
-    assert outcome.reason.startswith(EXPECTED_REASON[kind].format(k=k)), outcome.reason
+    reasons = [EXPECTED_REASON[kind]] + ([STATE] if kind == "relabel" else [])
+    assert any(outcome.reason.startswith(r.format(k=k)) for r in reasons), outcome.reason
     assert not outcome.matches
 
 
@@ -146,12 +152,13 @@ def test_skip_step_stores_the_previous_state_with_the_step_counter(job, tmp_path
 
 
 def test_faults_combine_and_the_first_one_is_caught(job, tmp_path):
-    hooks = TrainerFaults([parse_fault("skip-step:5"), parse_fault("log-flip:2")])
+    # (step 3: step 2's log has no entry whose flip changes S_2, which is no cheat)
+    hooks = TrainerFaults([parse_fault("skip-step:5"), parse_fault("log-flip:3")])
     faulty = _train(job, tmp_path / "trainer", hooks)
-    _assert_cheats_at(job, faulty, 2, "log-flip")
+    _assert_cheats_at(job, faulty, 3, "log-flip")
     assert faulty.leaf(5).log_hash == EMPTY_LOG_DIGEST
     outcome = _audit(job, faulty, tmp_path / "auditor")
-    assert (outcome.first_divergent_step, outcome.reason) == (2, STATE)
+    assert (outcome.first_divergent_step, outcome.reason) == (3, STATE)
 
 
 def test_relabel_cheats_on_the_char_transformer(tmp_path):

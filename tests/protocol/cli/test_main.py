@@ -144,7 +144,7 @@ def test_text_report_in_process(capsys, tmp_path):
     assert rc == 0, out
     lines = out.splitlines()
     assert lines[0] == "ovt replay-check: image-cnn (its default config), 1 steps, mode ovt"
-    assert lines[1] == "  policy float64->float32, certified bands (bound rules v3)"
+    assert lines[1] == "  policy float64->float32, certified bands (bound rules v4)"
     assert lines[2] == ("  trainer profile cpu-2t (cpu threads=2); auditor profile emulated-gpu "
                         "(cpu threads=2 splitk=1 chunks=3 order=permuted)")
     assert "result: BIT-EXACT — all 1 state hashes equal" in out

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
-from protocol.engine import fused
+from protocol.engine import fused, normops
 from protocol.engine.bounds import Affine, dense_bound, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.interceptor import RoundingMode
@@ -247,18 +247,42 @@ def test_foreach_op_is_one_site_over_all_list_elements():
 # -- ops without a rule: decomposed, or refused ---------------------------------------------------
 
 
-def test_layer_norm_runs_as_its_primitives():
+def test_layer_norm_runs_as_its_statistics_and_the_normalize_formula():
+    """Bound rules version 4: two sites, the rows' statistics (their own rule: bounded) and the
+    normalize formula on the rounded mean and rstd (a fixed formula: e = 0), so the result is
+    exactly that formula's, rounded once."""
     x = rnd(6, 16, seed=15) * 3 + 1
     weight, bias = rnd(16, seed=16), rnd(16, seed=17)
     spy = Spy()
     with RoundingMode(POLICY, spy):
-        y = F.layer_norm(x, (16,), weight, bias, eps=1e-5)
-    assert not any("layer_norm" in op for op in spy.ops)
-    assert {"aten.mean.dim", "aten.sum.dim_IntList", "aten.rsqrt.default"} <= set(spy.ops)
-    assert len(spy.calls) >= 6
-    assert all(rule_of(_overload(op), (), {}) is not None for op in spy.ops)
+        y, mean, rstd = aten.native_layer_norm(x, [16], weight, bias, 1e-5)
+    assert spy.calls == [("ovt.norm_stats.default", 18, True),
+                         ("ovt.normalize.default", 96, False)]
+    stats = normops.NORM_STATS(wide(x), [1], f32(1e-5))
+    assert_same_bits(mean, stats[0].float())
+    assert_same_bits(rstd, stats[2].float())
+    expected = normops.NORMALIZE(wide(x), wide(mean), wide(rstd), wide(weight), wide(bias))
+    assert_same_bits(y, expected.float())
     reference = F.layer_norm(wide(x), (16,), wide(weight), wide(bias), eps=f32(1e-5)).float()
-    assert close_to(y, reference, 8)  # rounded op by op: close to, not equal to, float64
+    assert close_to(y, reference, 8)
+
+
+def test_norm_statistics_decompose_where_their_rule_does_not_hold():
+    """A constant row far from zero with a negligible eps: the mean's error squared is not small
+    against eps + R²/(2K) (R = 0), so the statistics run as the two-pass primitives; the
+    normalize formula reads their rounded results all the same."""
+    x = rnd(3, 16, seed=18)
+    x[1] = 1e6
+    weight, bias = rnd(16, seed=19), rnd(16, seed=20)
+    assert rule_of(normops.NORM_STATS, (x, [1], 1e-30), {}) is None
+    assert rule_of(normops.NORM_STATS, (x, [1], 1e-5), {}) is not None
+    spy = Spy()
+    with RoundingMode(POLICY, spy):
+        y = F.layer_norm(x, (16,), weight, bias, eps=1e-30)
+    assert "ovt.norm_stats.default" not in spy.ops
+    assert {"aten.mean.dim", "aten.sum.dim_IntList", "aten.rsqrt.default"} <= set(spy.ops)
+    assert spy.ops[-1] == "ovt.normalize.default"
+    assert_same_bits(y[1], bias)  # x − μ is 0 exactly there, so the formula gives the bias
 
 
 def test_var_std_and_var_mean_are_the_two_pass_algorithm_rounded_per_op():
@@ -298,8 +322,12 @@ def test_batch_norm_training_updates_running_stats_in_place():
                          momentum=0.1, eps=1e-5)
     assert (running_mean.data_ptr(), running_var.data_ptr()) == ptrs
     assert not torch.equal(running_mean, rm0) and not torch.equal(running_var, rv0)
-    assert not any("batch_norm" in op for op in spy.ops)  # decomposed into primitives
-    assert {"aten.mean.dim", "aten.rsqrt.default"} <= set(spy.ops)
+    assert not any("batch_norm" in op for op in spy.ops)  # decomposed (bound rules version 4)
+    assert spy.ops[:2] == ["ovt.norm_stats.default", "ovt.normalize.default"]
+    stats = [r.float() for r in normops.NORM_STATS(wide(x), [0, 2, 3], f32(1e-5))]
+    expected = normops.NORMALIZE(wide(x), wide(stats[0]), wide(stats[2]),
+                                 wide(weight).reshape(3, 1, 1), wide(bias).reshape(3, 1, 1))
+    assert_same_bits(y, expected.float())
     erm, erv = wide(rm0), wide(rv0)
     out, _, _ = aten.native_batch_norm(wide(x), wide(weight), wide(bias), erm, erv, True,
                                        f32(0.1), f32(1e-5))
@@ -307,16 +335,53 @@ def test_batch_norm_training_updates_running_stats_in_place():
     assert close_to(running_mean, erm, 4) and close_to(running_var, erv, 4)
 
 
+def test_batch_norm_backward_runs_as_its_sums_and_the_input_gradients_formula():
+    """Bound rules version 4: the backward in training is the channels' Σ g and Σ g·(x − μ)
+    (one site, the reduction rule), the input gradient's fixed formula on their rounded values
+    and rstd, and the weight's gradient Σ g·(x − μ)·rstd (a product of two target values):
+    each gradient is exactly those, rounded once."""
+    x = (rnd(6, 3, 4, 4, seed=23) * 2 + 1).requires_grad_()
+    weight = rnd(3, seed=24).requires_grad_()
+    bias = rnd(3, seed=25).requires_grad_()
+    g = rnd(6, 3, 4, 4, seed=26)
+    spy = Spy()
+    with RoundingMode(POLICY, spy):
+        y = F.batch_norm(x, None, None, weight, bias, training=True, eps=1e-5)
+        y.backward(g)
+    assert spy.ops[-3:] == ["ovt.norm_backward_stats.default", "ovt.normalize_backward.default",
+                            "aten.mul.Tensor"]
+    assert not any("batch_norm" in op for op in spy.ops)
+    stats = [r.float() for r in normops.NORM_STATS(wide(x.detach()), [0, 2, 3], f32(1e-5))]
+    mean, rstd = wide(stats[0]), wide(stats[2])
+    sums = [r.float() for r in normops.NORM_BACKWARD_STATS(wide(g), wide(x.detach()), mean,
+                                                           [0, 2, 3])]
+    grad_input = normops.NORMALIZE_BACKWARD(wide(g), wide(x.detach()), mean, rstd,
+                                            wide(weight.detach()).reshape(1, 3, 1, 1),
+                                            wide(sums[0]), wide(sums[1]), 6 * 16)
+    assert_same_bits(x.grad, grad_input.float())
+    assert_same_bits(weight.grad, (wide(sums[1]) * rstd).float().reshape(3))
+    assert_same_bits(bias.grad, sums[0].reshape(3))
+    x64, w64 = wide(x.detach()).requires_grad_(), wide(weight.detach()).requires_grad_()
+    F.batch_norm(x64, None, None, w64, wide(bias.detach()), training=True,
+                 eps=f32(1e-5)).backward(wide(g))
+    assert close_to(x.grad, x64.grad, 64) and close_to(weight.grad, w64.grad, 64)
+
+
 def test_batch_norm_training_replays_bit_exactly_under_splitk():
-    x = rnd(8, 3, 5, 5, seed=20) * 2 + 1
-    weight, bias = rnd(3, seed=21), rnd(3, seed=22)
+    """Forward and backward, under the emulated GPU (its own form of the statistics, its sums
+    split) and with the log recorded natively."""
+    x0 = rnd(8, 3, 5, 5, seed=20) * 2 + 1
+    weight0, bias0 = rnd(3, seed=21), rnd(3, seed=22)
+    g = rnd(8, 3, 5, 5, seed=27)
 
     def run(rounder, compute=None):
+        x, weight, bias = (t.clone().requires_grad_() for t in (x0, weight0, bias0))
         rm, rv = torch.zeros(3), torch.ones(3)
         kwargs = {} if compute is None else {"compute": compute}
         with RoundingMode(POLICY, rounder, **kwargs):
             y = F.batch_norm(x, rm, rv, weight, bias, training=True, momentum=0.1)
-        return [y, rm, rv]
+            y.backward(g)
+        return [y.detach(), rm, rv, x.grad, weight.grad, bias.grad]
 
     spy = Spy()
     recorded = run(spy)
@@ -555,10 +620,11 @@ def test_training_record_replays_bit_exactly_under_splitk(make_opt, auditor):
     losses_a, recs = _train(model_a, opt_a, POLICY, lambda t: Spy())
     logs = [r.log() for r in recs]
     ops = {op for r in recs for op in r.ops}
-    assert {"aten.addmm.default", "aten.mm.default", "aten.rsqrt.default"} <= ops
-    # the loss, layer norm's forward and the loss's backward: decomposed; log-softmax, GELU,
-    # their backwards and layer norm's backward: one site each, by their own rules (bound
-    # rules version 3)
+    assert {"aten.addmm.default", "aten.mm.default", "ovt.norm_stats.default",
+            "ovt.normalize.default"} <= ops
+    # the loss and its backward: decomposed; layer norm's forward: its statistics and the
+    # normalize formula (bound rules version 4); log-softmax, GELU, their backwards and layer
+    # norm's backward: one site each, by their own rules (bound rules version 3)
     for composite in ("nll_loss", "native_layer_norm.default", "cross_entropy"):
         assert not any(composite in op for op in ops), composite
     assert {"aten._log_softmax.default", "aten._log_softmax_backward_data.default",
