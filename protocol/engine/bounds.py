@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from protocol.engine import fused, normops
 from protocol.engine.precision import PrecisionPolicy, target_ulp
@@ -567,6 +568,25 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
     return (wide * wide).sum([0, *range(2, x.dim())]).sqrt()
 
 
+def _window_norms(t: torch.Tensor, kernel: Sequence[int], stride, padding, dilation,
+                  transposed: bool = False, size: Sequence[int] | None = None) -> torch.Tensor:
+    """(N, 1, *spatial): the norm, over every channel, of the elements of t[n] that one output
+    position's window reads — a convolution of Σ_c t[n, c]² with a kernel of ones, in float64
+    (its own rounding is within `SAFETY`); `transposed`: the windows of a transposed
+    convolution, the positions of a `size` input that read each one (grad_input's)."""
+    squares = _f64(t).square().sum(1, keepdim=True)
+    ones = torch.ones((1, 1, *kernel), dtype=torch.float64, device=t.device)
+    spatial = len(kernel)
+    if not transposed:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+        return conv(squares, ones, None, stride, padding, dilation).sqrt_()
+    assert size is not None
+    extra = [size[i] - ((squares.shape[2 + i] - 1) * stride[i] - 2 * padding[i] +
+                        dilation[i] * (kernel[i] - 1) + 1) for i in range(spatial)]
+    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+    return conv_t(squares, ones, None, stride, padding, extra, 1, dilation).sqrt_()
+
+
 def _spread(e: Affine | float, dims: int) -> Affine | float:
     """A (rows, cols) bound reshaped to broadcast over `dims` trailing spatial dimensions."""
     if not isinstance(e, Affine) or e.m is None:
@@ -578,37 +598,53 @@ def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:
     """convolution(x, w, bias, ...): out[n, o, p] sums products of distinct elements of x[n] with
     distinct elements of the filter of channel o, so by Cauchy–Schwarz Σ|terms| <=
     ‖x[n]‖·‖filter_o‖, whatever the stride, padding (zeros add nothing), dilation or groups
-    (a group sees a subset of x[n]). K = in-channels per group × kernel size, plus the bias."""
+    (a group sees a subset of x[n]); and, not transposed, ‖window_p‖·‖filter_o‖ with the
+    norm only over the elements output position p reads (`_window_norms`, every channel's:
+    a group's are a subset), tighter by about √(spatial size / kernel size). K = in-channels
+    per group × kernel size, plus the bias."""
     x, w, bias = args[0], args[1], args[2]
+    stride, padding, dilation = args[3], args[4], args[5]
     transposed, groups = bool(args[6]), int(args[8])
     kernel = math.prod(w.shape[2:])
+    spatial = ys[0].dim() - 2
     if transposed:  # w is (C_in, C_out / groups, *k): output channel o uses w[:, o % (C_out/g)]
         filters = _per_channel(w).repeat(groups)
         k = w.shape[0] // groups * kernel
-    else:  # w is (C_out, C_in / groups, *k)
-        filters = _per_sample(w)
-        k = w.shape[1] * kernel
-    s = torch.outer(_per_sample(x), filters)
+        s = torch.outer(_per_sample(x), filters)
+        if bias is not None:
+            s, k = s + bias.abs(), k + 1
+        return [_spread(ctx.sum_bound(k, s), spatial)]
+    # w is (C_out, C_in / groups, *k)
+    k = w.shape[1] * kernel
+    windows = _window_norms(x, w.shape[2:], stride, padding, dilation)
+    base = windows * _per_sample(w).reshape(1, -1, *([1] * spatial))
     if bias is not None:
-        s, k = s + bias.abs(), k + 1
-    return [_spread(ctx.sum_bound(k, s), ys[0].dim() - 2)]
+        base, k = base.add_(_f64(bias).abs().reshape(1, -1, *([1] * spatial))), k + 1
+    return [ctx.sum_bound(k, base)]
 
 
 def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     """convolution_backward: each gradient is again a sum of products of distinct elements.
-    - grad_input[n, c]: of grad_out[n] with the weights reading channel c: ‖g[n]‖·‖w_c‖;
+    - grad_input[n, c]: of grad_out[n] with the weights reading channel c: ‖g[n]‖·‖w_c‖, and
+      not transposed ‖g's window at the position‖·‖w_c‖, over the positions of g[n] whose
+      windows read it;
     - grad_weight[o, c]: of grad_out[:, o] with input channel c (of o's group): ‖g_o‖·‖x_c‖;
     - grad_bias[o]: a plain sum of grad_out[:, o], bounded by the sum of its magnitudes."""
     g, x, w = args[0], args[1], args[2]
+    stride, padding, dilation = args[4], args[5], args[6]
     transposed, groups, mask = bool(args[7]), int(args[9]), args[10]
     kernel, spatial = math.prod(w.shape[2:]), x.dim() - 2
     out: list[Bound] = []
     if mask[0]:
         if transposed:  # forward used w (C_in, C_out/g, *k): grad_input[:, i] reads w[i]
             w_c, k = _per_sample(w), w.shape[1] * kernel
-        else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o
+            out.append(_spread(ctx.sum_bound(k, torch.outer(_per_sample(g), w_c)), spatial))
+        else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o, and
+            # of g[n] only the positions whose windows read its position (`_window_norms`)
             w_c, k = _per_channel(w).repeat(groups), w.shape[0] // groups * kernel
-        out.append(_spread(ctx.sum_bound(k, torch.outer(_per_sample(g), w_c)), spatial))
+            windows = _window_norms(g, w.shape[2:], stride, padding, dilation, True,
+                                    x.shape[2:])
+            out.append(ctx.sum_bound(k, windows * w_c.reshape(1, -1, *([1] * spatial))))
     if mask[1]:
         g_c, x_c = _per_channel(g), _per_channel(x)
         if transposed:  # grad_weight (C_in, C_out/g): row i pairs x_i with g of i's group

@@ -16,7 +16,8 @@ optimizer code run unmodified. For each FLOAT op (see `optable`) with a bound ru
 The fixed formulas (addcmul, addcdiv, lerp with a scalar weight) run as `pointwise` computes
 them, never as ATen's kernels, with e = 0. An op with e = 0 whose operands the fused pointwise
 pass reads (`pointwise.fused_plan`) skips steps 1–4: if the rounder claims the site
-(`claim_exact_site`), that pass computes its float32 results straight from its float32 inputs.
+(`claim_exact_site`), that pass computes its float32 results straight from its float32 inputs;
+so do layer and batch norm's normalize formulas (`normops.fused_formula`).
 
 A FLOAT op without a rule runs its decomposition (`decompositions`) under this same mode, so
 each primitive inside is its own site; one with neither is refused. EXACT ops run untouched on
@@ -37,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from protocol.engine import pointwise
+from protocol.engine import normops, pointwise
 from protocol.engine.bounds import FIXED_FORMULA, BoundContext, Rule, bounds_for, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
@@ -155,6 +156,7 @@ class _OpPlan:
     elementwise: bool  # one of pointwise's ops, in a form it takes (pointwise.takes)
     foreach: bool
     in_place: bool
+    norm_formula: bool  # one of normops's normalize formulas (`RoundingMode._fused_formula`)
 
 
 _PLANS: dict[int, _OpPlan] = {}
@@ -174,7 +176,8 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
         _, foreach, in_place = pointwise.family(func)
         plan = _OpPlan(func, op_kind(func), op_name(func), packet in ("_to_copy", "copy_"),
                        packet in ("index_put", "index_put_"), positions, names,
-                       pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place)
+                       pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
+                       func in normops.FORMULAS)
         _PLANS[id(func)] = plan
     return plan
 
@@ -234,6 +237,10 @@ class RoundingMode(TorchDispatchMode):
     # -- FLOAT ops -----------------------------------------------------------------------------
 
     def _float_op(self, plan: _OpPlan, func, args, kwargs):
+        if plan.norm_formula and not kwargs:
+            done = self._fused_formula(plan, args)
+            if done is not None:
+                return done[0]
         if plan.elementwise:
             elements = pointwise.operands(func, args, kwargs)
             if elements:  # (an empty foreach list is no site on any path)
@@ -320,6 +327,20 @@ class RoundingMode(TorchDispatchMode):
                 self._widened.forget(e.a)
             return (None if foreach else args[0],)
         return (results if foreach else results[0],)
+
+    def _fused_formula(self, plan: _OpPlan, args: tuple) -> tuple[torch.Tensor] | None:
+        """Compute a normalize formula (e = 0) straight from its target-dtype operands in one
+        C++ pass (`normops.fused_formula`), as a site of its own with nothing in its band;
+        `(result,)`, or None where that pass does not serve (then the widened path computes the
+        same bits). The rounder claims the site first, as for `_fused_pointwise`."""
+        policy = self.policy
+        claim = getattr(self.rounder, "claim_exact_site", None)
+        if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32):
+            return None
+        run = normops.fused_formula(plan.func, args)
+        if run is None or not claim(plan.name, args[0].numel()):
+            return None
+        return (run(),)
 
     def _in_parts(self, plan: _OpPlan, func, args: tuple, rule: Rule) -> tuple[Any] | None:
         """Compute and round a large elementwise op (`Rule.elementwise`, called without keyword

@@ -26,8 +26,11 @@ conforming form (`splitk`). They run on any device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+
+from protocol.engine import fused
 
 
 @torch.library.custom_op("ovt::norm_stats", mutates_args=())
@@ -83,3 +86,67 @@ NORM_STATS = torch.ops.ovt.norm_stats.default
 NORMALIZE = torch.ops.ovt.normalize.default
 NORM_BACKWARD_STATS = torch.ops.ovt.norm_backward_stats.default
 NORMALIZE_BACKWARD = torch.ops.ovt.normalize_backward.default
+FORMULAS = frozenset({NORMALIZE, NORMALIZE_BACKWARD})
+
+
+def fused_formula(func: torch._ops.OpOverload, args: tuple
+                  ) -> Callable[[], torch.Tensor] | None:
+    """`normalize`'s or `normalize_backward`'s float32 result computed in one C++ pass from the
+    float32 operands `args` (the same bits as its torch ops on widened operands: they are IEEE
+    operations alone; `csrc/fused.cpp`), as a function to call; or None where that pass does
+    not serve these operands (then the interceptor widens them, as for any op): the fused
+    passes off or not built, an operand that is not a contiguous float32 CPU tensor, or a
+    layout other than a layer norm's rows or a batch norm's channels (`_layout`)."""
+    if func == NORMALIZE:
+        x, mean, rstd, weight, bias = args
+        operands, grads = [x, mean, rstd, weight, bias], []
+    elif func == NORMALIZE_BACKWARD:
+        g, x, mean, rstd, weight, sum_grad, sum_product, count = args
+        operands, grads = [g, x, mean, rstd, weight, sum_grad, sum_product], [g]
+    else:
+        return None
+    if not fused.serves(x) or not x.numel() or not all(
+            t is None or (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and
+                          t.is_cpu and t.is_contiguous()) for t in operands):
+        return None
+    layout = _layout(x, mean, [weight] if func == NORMALIZE_BACKWARD else [weight, bias])
+    stats = [rstd] if func == NORMALIZE else [rstd, sum_grad, sum_product]
+    if layout is None or any(t.shape != mean.shape for t in stats) or \
+            any(t.shape != x.shape for t in grads):
+        return None
+    outer, channels, inner, rows = layout
+    if func == NORMALIZE:
+        def run() -> torch.Tensor:
+            out = torch.empty_like(x)
+            torch.ops.ovt.fused_normalize(x, mean, rstd, weight, bias, out, outer, channels,
+                                          inner, rows)
+            return out
+        return run
+    if rows:  # (the backward's layout is a batch norm's)
+        return None
+
+    def run_backward() -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.ovt.fused_normalize_backward(g, x, mean, rstd, weight, sum_grad, sum_product,
+                                               out, outer, channels, inner, count)
+        return out
+    return run_backward
+
+
+def _layout(x: torch.Tensor, mean: torch.Tensor, params: list[torch.Tensor | None]
+            ) -> tuple[int, int, int, bool] | None:
+    """(outer, channels, inner, rows) as the C++ passes read `x`: a layer norm's rows, the mean
+    one value per row over the last dimensions and each parameter the shape of those dimensions
+    (rows True, channels 1); or a batch norm's channels, the mean and every parameter one value
+    per channel (dimension 1). None for anything else."""
+    shape, nd = tuple(x.shape), x.dim()
+    for a in range(nd):
+        if tuple(mean.shape) == shape[:a] + (1,) * (nd - a) and \
+                all(p is None or tuple(p.shape) == shape[a:] for p in params):
+            return math.prod(shape[:a]), 1, math.prod(shape[a:]), True
+    if nd >= 2:
+        kept = (1, shape[1]) + (1,) * (nd - 2)
+        if tuple(mean.shape) == kept and \
+                all(p is None or tuple(p.shape) in (kept, kept[1:]) for p in params):
+            return shape[0], shape[1], math.prod(shape[2:]), False
+    return None

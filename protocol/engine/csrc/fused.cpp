@@ -15,6 +15,8 @@
 //   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
 //   from float32 inputs and rounded to float32 in one pass, as the torch ops on widened inputs
 //   compute it;
+// - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
+//   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
@@ -382,6 +384,108 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
   });
 }
 
+// The normalize formulas of normops.py (`normalize`, `normalize_backward`), computed straight
+// from float32 operands to float32 results, as the torch ops on widened operands compute them:
+// one IEEE operation at a time in float64, in the order written (-ffp-contract=off), each
+// result converted once. The statistics and parameters are per run of `n` elements: a layer
+// norm row (its mean and rstd, with a weight and bias per element) or a batch norm channel's
+// run (all four per channel).
+OVT_CLONES
+void normalize_run(const float* x, float* out, int64_t n, double mean, double rstd,
+                   const float* weight, const float* bias, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i) {
+    double t = (double{x[i]} - mean) * rstd;
+    if (weight != nullptr) t = t * double{weight[i * stride]};
+    if (bias != nullptr) t = t + double{bias[i * stride]};
+    out[i] = static_cast<float>(t);
+  }
+}
+
+OVT_CLONES
+void normalize_backward_run(const float* g, const float* x, float* out, int64_t n, double mean,
+                            double slope, double shift, double scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = static_cast<float>(((double{g[i]} - (double{x[i]} - mean) * slope) - shift) * scale);
+  }
+}
+
+const float* norm_operand(const at::Tensor& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.device().is_cpu() &&
+                  t.numel() == numel,
+              "normalize: ", name, " must be a contiguous float32 CPU tensor of ", numel,
+              " elements");
+  return t.data_ptr<float>();
+}
+
+const float* norm_optional(const c10::optional<at::Tensor>& t, int64_t numel, const char* name) {
+  return t.has_value() ? norm_operand(*t, numel, name) : nullptr;
+}
+
+// normops.normalize on x of (outer, channels, inner) elements: with `rows`, a layer norm's
+// (channels 1): mean and rstd per outer index, weight and bias per inner one; else a batch
+// norm's: all four per channel.
+void normalize(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+               const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+               const at::Tensor& out, int64_t outer, int64_t channels, int64_t inner,
+               bool rows) {
+  TORCH_CHECK(outer >= 0 && channels >= 1 && inner >= 1 && (!rows || channels == 1),
+              "normalize: bad layout");
+  const int64_t n = outer * channels * inner;
+  const int64_t stats = rows ? outer : channels, params = rows ? inner : channels;
+  const float* xp = norm_operand(x, n, "x");
+  float* op = const_cast<float*>(norm_operand(out, n, "out"));
+  const float* mp = norm_operand(mean, stats, "mean");
+  const float* rp = norm_operand(rstd, stats, "rstd");
+  const float* wp = norm_optional(weight, params, "weight");
+  const float* bp = norm_optional(bias, params, "bias");
+  at::parallel_for(0, outer * channels, std::max<int64_t>(1, kGrain / inner),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      const int64_t s = rows ? run : run % channels;
+      const float* w = wp == nullptr ? nullptr : rows ? wp : wp + s;
+      const float* b = bp == nullptr ? nullptr : rows ? bp : bp + s;
+      normalize_run(xp + run * inner, op + run * inner, inner, double{mp[s]}, double{rp[s]}, w, b,
+                    rows ? 1 : 0);
+    }
+  });
+}
+
+// normops.normalize_backward on g and x of (outer, channels, inner) elements, every other
+// operand per channel; `count` the elements a channel's sums ran over.
+void normalize_backward(const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean,
+                        const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+                        const at::Tensor& sum_grad, const at::Tensor& sum_product,
+                        const at::Tensor& out, int64_t outer, int64_t channels, int64_t inner,
+                        int64_t count) {
+  TORCH_CHECK(outer >= 0 && channels >= 1 && inner >= 1 && count >= 1,
+              "normalize_backward: bad layout");
+  const int64_t n = outer * channels * inner;
+  const float* gp = norm_operand(g, n, "g");
+  const float* xp = norm_operand(x, n, "x");
+  float* op = const_cast<float*>(norm_operand(out, n, "out"));
+  const float* mp = norm_operand(mean, channels, "mean");
+  const float* rp = norm_operand(rstd, channels, "rstd");
+  const float* wp = norm_optional(weight, channels, "weight");
+  const float* s1 = norm_operand(sum_grad, channels, "sum_grad");
+  const float* s2 = norm_operand(sum_product, channels, "sum_product");
+  const double norm = 1.0 / static_cast<double>(count);
+  std::vector<double> slope(channels), shift(channels), scale(channels);
+  for (int64_t c = 0; c < channels; ++c) {  // as normops.normalize_backward forms them
+    const double r = double{rp[c]};
+    slope[c] = (double{s2[c]} * norm) * (r * r);
+    shift[c] = double{s1[c]} * norm;
+    scale[c] = wp == nullptr ? r : r * double{wp[c]};
+  }
+  at::parallel_for(0, outer * channels, std::max<int64_t>(1, kGrain / inner),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) {
+      const int64_t c = run % channels;
+      normalize_backward_run(gp + run * inner, xp + run * inner, op + run * inner, inner,
+                             double{mp[c]}, slope[c], shift[c], scale[c]);
+    }
+  });
+}
+
 const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* op,
                      const char* name) {
   TORCH_CHECK(t.has_value(), op, ": this mode needs ", name);
@@ -695,6 +799,13 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");
+  lib.def(
+      "fused_normalize(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
+      "Tensor(a!) out, int outer, int channels, int inner, bool rows) -> ()");
+  lib.def(
+      "fused_normalize_backward(Tensor g, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
+      "Tensor sum_grad, Tensor sum_product, Tensor(a!) out, int outer, int channels, int inner, "
+      "int count) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
@@ -702,6 +813,8 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("pointwise", &pointwise);
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
+  lib.impl("fused_normalize", &normalize);
+  lib.impl("fused_normalize_backward", &normalize_backward);
 }
 
 // `_fused.philox(key0, key1, first_block, blocks)`: a bytearray of the blocks' words (native

@@ -1,0 +1,147 @@
+"""ovt's normalisation ops (protocol/engine/normops.py; SPEC §3.2.1) and their fused C++ passes.
+
+The claims under test: `normalize` and `normalize_backward` are fixed formulas, one IEEE
+operation at a time in the compute dtype, so the fused passes that compute them straight from
+float32 operands (`normops.fused_formula`, csrc/fused.cpp) give exactly the bits of the torch
+ops on widened operands, for every layout they take (a layer norm's rows, a batch norm's
+channels) and on hard values (zeros of both signs, subnormals, infinities, values near float32's
+overflow); they decline every other layout; and a recorded step gives the same results and log
+with the fused passes as without. (The statistics' bounds are tested against exact references
+in test_norm_stats_bounds.py; the decompositions through the interceptor in
+test_interceptor.py.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from protocol.engine import fused, normops
+from protocol.engine.interceptor import RoundingMode
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.rounding import SiteRecorder
+
+POLICY = PrecisionPolicy()
+needs_fused = pytest.mark.skipif(fused.MISSING is not None,
+                                 reason=f"the fused passes are not built: {fused.MISSING}")
+
+
+def hard(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """float32 values of every magnitude, with ±0, subnormals, ±inf and huge values."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    x = (rng.normal(size=n) * 10.0 ** rng.integers(-20, 20, size=n)).astype(np.float32)
+    specials = np.array([0.0, -0.0, 2.0**-149, -(2.0**-140), np.inf, -np.inf, 3.4e38, -3.4e38],
+                        dtype=np.float32)
+    where = rng.choice(n, size=min(n, specials.size), replace=False)
+    x[where] = specials[:where.size]
+    return torch.from_numpy(x.reshape(shape))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns, except that any NaN equals any NaN (IEEE leaves payloads open)."""
+    nan = torch.isnan(a) & torch.isnan(b)
+    return a.shape == b.shape and bool(((a.view(torch.int32) == b.view(torch.int32)) | nan).all())
+
+
+def torch_path(func, args) -> torch.Tensor:
+    """The op's torch ops on widened operands, rounded once: what the interceptor computes where
+    the fused pass does not serve."""
+    wide = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
+    return func(*wide).float()
+
+
+# layer norm rows: x, mean/rstd shape, weight/bias shape
+ROWS = [((6, 16), (6, 1), (16,)), ((2, 5, 8), (2, 5, 1), (8,)), ((2, 5, 8), (2, 1, 1), (5, 8)),
+        ((7,), (1,), (7,))]
+# batch norm channels: x, mean/rstd shape, weight/bias shape (as the decompositions pass them)
+CHANNELS = [((4, 3, 5, 5), (1, 3, 1, 1), (3, 1, 1)), ((8, 6), (1, 6), (6,)),
+            ((2, 3, 4, 2, 3), (1, 3, 1, 1, 1), (3, 1, 1, 1)), ((4, 3, 5, 5), (1, 3, 1, 1), None)]
+
+
+@needs_fused
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("case", ROWS + CHANNELS)
+def test_fused_normalize_gives_the_torch_ops_bits(case, affine):
+    x_shape, stat_shape, param_shape = case
+    x = hard(x_shape, 1)
+    mean = torch.randn(stat_shape) * 3
+    rstd = torch.rand(stat_shape) * 4
+    weight = hard(param_shape, 2) if param_shape and affine in ("both", "weight") else None
+    bias = hard(param_shape, 3) if param_shape and affine in ("both", "bias") else None
+    args = (x, mean, rstd, weight, bias)
+    run = normops.fused_formula(normops.NORMALIZE, args)
+    assert run is not None
+    assert same_bits(run(), torch_path(normops.NORMALIZE, args))
+
+
+@needs_fused
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("case", CHANNELS[:3])
+def test_fused_normalize_backward_gives_the_torch_ops_bits(case, weighted):
+    x_shape, stat_shape, _ = case
+    g, x = hard(x_shape, 4), torch.randn(x_shape) * 5
+    mean, rstd = torch.randn(stat_shape), torch.rand(stat_shape) * 3
+    sums = [hard(stat_shape, 5), torch.randn(stat_shape) * 1e3]
+    weight = torch.randn(stat_shape) if weighted else None
+    count = x.numel() // x.shape[1]
+    args = (g, x, mean, rstd, weight, *sums, count)
+    run = normops.fused_formula(normops.NORMALIZE_BACKWARD, args)
+    assert run is not None
+    assert same_bits(run(), torch_path(normops.NORMALIZE_BACKWARD, args))
+
+
+def test_fused_formula_declines_what_it_does_not_take(monkeypatch):
+    x, mean, rstd = torch.randn(6, 16), torch.randn(6, 1), torch.rand(6, 1)
+    weight = torch.randn(16)
+    take = normops.fused_formula
+    assert take(normops.NORMALIZE, (x.t().contiguous().t(), mean, rstd, weight, None)) is None
+    assert take(normops.NORMALIZE, (x.double(), mean, rstd, weight, None)) is None
+    assert take(normops.NORMALIZE, (x, torch.randn(1, 16), rstd, weight, None)) is None  # per col
+    assert take(normops.NORMALIZE, (x, mean, rstd, torch.randn(6, 16), None)) is None
+    assert take(normops.NORMALIZE, (x[:0], mean[:0], rstd[:0], weight, None)) is None
+    assert take(normops.NORM_STATS, (x, [1], 1e-5)) is None  # not a formula
+    rows_backward = (x, x, mean, rstd, None, mean, mean, 16)  # a layer norm's layout
+    assert take(normops.NORMALIZE_BACKWARD, rows_backward) is None
+    monkeypatch.setattr(fused, "ENABLED", False)
+    assert take(normops.NORMALIZE, (x, mean, rstd, weight, None)) is None
+
+
+def _record(step, fused_on: bool, monkeypatch) -> tuple[list[torch.Tensor], list]:
+    monkeypatch.setattr(fused, "ENABLED", fused_on and fused.MISSING is None)
+    rec = SiteRecorder(POLICY)
+    with RoundingMode(POLICY, rec):
+        outs = step()
+    return outs, rec.log().sites
+
+
+@needs_fused
+def test_a_recorded_step_is_the_same_with_and_without_the_fused_passes(monkeypatch):
+    """Layer norm and batch norm, forward and backward, recorded twice: the same results and
+    the same log."""
+    gen = torch.Generator().manual_seed(7)
+    x_ln, x_bn = torch.randn(5, 3, 16, generator=gen) * 2 + 1, torch.randn(8, 4, 6, 6,
+                                                                            generator=gen)
+    w_ln, w_bn = torch.randn(16, generator=gen), torch.randn(4, generator=gen)
+    g_ln, g_bn = torch.randn(5, 3, 16, generator=gen), torch.randn(8, 4, 6, 6, generator=gen)
+
+    def step() -> list[torch.Tensor]:
+        a, wa = x_ln.clone().requires_grad_(), w_ln.clone().requires_grad_()
+        b, wb = x_bn.clone().requires_grad_(), w_bn.clone().requires_grad_()
+        y_ln = F.layer_norm(a, (16,), wa, None, 1e-5)
+        y_bn = F.batch_norm(b, torch.zeros(4), torch.ones(4), wb, None, training=True)
+        torch.autograd.backward([y_ln, y_bn], [g_ln, g_bn])
+        return [y_ln.detach(), y_bn.detach(), a.grad, wa.grad, b.grad, wb.grad]
+
+    fused_outs, fused_log = _record(step, True, monkeypatch)
+    torch_outs, torch_log = _record(step, False, monkeypatch)
+    for a, b in zip(fused_outs, torch_outs, strict=True):
+        assert same_bits(a, b)
+    assert len(fused_log) == len(torch_log)
+    for a, b in zip(fused_log, torch_log, strict=True):
+        assert a.numel == b.numel
+        assert np.array_equal(a.indices, b.indices) and np.array_equal(a.up, b.up)
+        assert np.array_equal(a.value_indices, b.value_indices)
+        assert np.array_equal(a.values, b.values)
