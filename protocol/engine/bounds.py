@@ -568,15 +568,22 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
     return (wide * wide).sum([0, *range(2, x.dim())]).sqrt()
 
 
+def _per_dim(param: Sequence[int], spatial: int) -> list[int]:
+    """A convolution's stride, padding or dilation with one entry per spatial dimension (ATen
+    takes a single entry for all of them)."""
+    return list(param) * spatial if len(param) == 1 else list(param)
+
+
 def _window_norms(t: torch.Tensor, kernel: Sequence[int], stride, padding, dilation,
                   transposed: bool = False, size: Sequence[int] | None = None) -> torch.Tensor:
     """(N, 1, *spatial): the norm, over every channel, of the elements of t[n] that one output
     position's window reads — a convolution of Σ_c t[n, c]² with a kernel of ones, in float64
     (its own rounding is within `SAFETY`); `transposed`: the windows of a transposed
     convolution, the positions of a `size` input that read each one (grad_input's)."""
+    spatial = len(kernel)
+    stride, padding, dilation = (_per_dim(p, spatial) for p in (stride, padding, dilation))
     squares = _f64(t).square().sum(1, keepdim=True)
     ones = torch.ones((1, 1, *kernel), dtype=torch.float64, device=t.device)
-    spatial = len(kernel)
     if not transposed:
         conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
         return conv(squares, ones, None, stride, padding, dilation).sqrt_()
@@ -969,12 +976,6 @@ def _gelu_terms(args: tuple, kwargs: dict) -> float:
 # that squared term is not small against the variance and eps (a constant row far from zero
 # with eps 0, say), or where the squares could overflow, the op runs as its decomposition.
 
-def _compute_dtype(unit_roundoff: float) -> torch.dtype:
-    """The compute dtype whose unit roundoff is `unit_roundoff`."""
-    return next(d for d in (torch.float64, torch.float32)
-                if torch.finfo(d).eps / 2 == unit_roundoff)
-
-
 def _rstd_error(compute: torch.dtype) -> float:
     """c_ρ: rsqrt's relative error in units of u (n ULPs: 2n·u), or 1/sqrt's (sqrt's, and 2u
     for a division or a reciprocal), whichever is larger."""
@@ -984,10 +985,11 @@ def _rstd_error(compute: torch.dtype) -> float:
 
 def _norm_stats_rule(args: tuple, kwargs: dict, unit_roundoff: float) -> Rule | None:
     """norm_stats(x, dims, eps) -> (μ̂, v̂, ρ̂) over rows of K elements: its own rule where it
-    holds on these inputs, else None (decomposed). With M = max |x| of a row and Δμ = (K + 1)·
-    u·M, every conforming machine computes
-    - μ̂: the sum in any order and blocking, γ_{K−1}·Σ |x| ≤ (K − 1)·u·K·M (Higham §3.1), then
-      divided by K (u) or multiplied by a rounded 1/K (2u): |μ̂ − μ| ≤ Δμ;
+    holds on these inputs, else None (decomposed). With M = max |x| of a row, every conforming
+    machine computes
+    - μ̂: the sum in any order and blocking, γ_{K−1}·Σ |x| ≤ γ_{K−1}·K·M (Higham §3.1), then
+      divided by K (u) or multiplied by a rounded 1/K (2u): |μ̂ − μ| ≤ Δμ = γ_{K+1}·M, a
+      bound with no higher-order remainder (so its square below is one too);
     - v̂: d_j = x_j − μ̂ (u), d_j² (3u in all), a sum of K nonnegative terms in any order
       (γ_{K−1}, relative to the sum), ÷K (2u): v̂ = V'·(1 + θ_{K+4}) with
       V' = Σ (x_j − μ̂)² / K = v + (μ − μ̂)² exactly (Σ (x_j − μ) = 0), so
@@ -997,34 +999,39 @@ def _norm_stats_rule(args: tuple, kwargs: dict, unit_roundoff: float) -> Rule | 
       t = v + eps ≥ eps + R²/(2K), R = max x − min x of the row (K·v ≥ R²/2).
     Where the squares or the division underflow (bfloat16 values in float32) each adds half a
     subnormal unit: A and Δμ carry (K + 4) and (K + 2) units, a subnormal ρ̂ c_ρ units. Each
-    e is SAFETY·1.02 times its sum, with A/t taken at the tensor's largest M and smallest R
-    (an upper bound for every row), so the three bounds are relative to the results and the
-    rows' M (`Affine`, evaluated in the band pass).
+    e is SAFETY·1.02 times its sum (the 1.02 covers the products of two or more of the
+    relative errors, each at most 1/128 below), with A/t taken at the tensor's largest M and
+    smallest R (an upper bound for every row), so the three bounds are relative to the results
+    and the rows' M (`Affine`, evaluated in the band pass). eps is the target value the op
+    reads (the interceptor rounds a Python float argument to the target, SPEC §3.3).
 
     The rule holds where eps ≥ 0 (else v/t, which the variance's term takes as at most 1, is
     unbounded: a negative eps can cancel the variance), every first-order relative term is at
     most 1/128: ((K + 5)/2 + c_ρ)·u and A/t (A at the largest M over eps + R²/(2K) at the
-    smallest R, which must be positive), and K·M² is below a quarter of the compute dtype's
-    largest value (no square or sum overflows). The extremes are exact selections and the test
-    IEEE operations on them in Python floats, so every party decides alike."""
-    x, dims, eps = args[0], list(args[1]), float(args[2])
+    smallest R, which must be positive), and K·M² + eps is below a quarter of the compute
+    dtype's largest value (no square, sum or v̂ + eps overflows). The extremes are exact
+    selections and the test IEEE operations on them in Python floats, so every party decides
+    alike."""
+    policy = PrecisionPolicy.of_unit_roundoff(unit_roundoff)
+    x, dims = args[0], list(args[1])
+    eps = policy.scalar_rounder(float(args[2]))  # as the op reads it (the interceptor rounds it)
     k = math.prod(x.shape[d] for d in dims)
-    compute = _compute_dtype(unit_roundoff)
-    info = torch.finfo(compute)
-    u, tiny, c_rho = unit_roundoff, info.smallest_normal * info.eps, _rstd_error(compute)
+    info = torch.finfo(policy.compute)
+    u, tiny, c_rho = unit_roundoff, info.smallest_normal * info.eps, _rstd_error(policy.compute)
     if not x.numel() or ((k + 5) / 2 + c_rho) * u > _COMPOSITE_LIMIT:
         return None
     top, bottom = _f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True))
     m = torch.maximum(top.abs(), bottom.abs())
     m_max, r_min = float(m.max()), float((top - bottom).min())
-    dmu = (k + 1) * u * m_max + (k + 2) * tiny
+    gamma = (k + 1) * u / (1 - (k + 1) * u)  # γ_{K+1}: Δμ exactly, not to first order
+    dmu = gamma * m_max + (k + 2) * tiny
     a = dmu * dmu + (k + 4) * tiny
     t_low = eps + r_min * r_min / (2 * k)
     if not (eps >= 0 and t_low > 0 and a <= t_low * _COMPOSITE_LIMIT
-            and k * m_max * m_max <= info.max / 4):
+            and k * m_max * m_max + eps <= info.max / 4):
         return None  # (a NaN M, R or eps fails every comparison)
     slack = SAFETY * _SLACK
-    bounds: list[Bound] = [Affine(slack * (k + 1) * u, slack * (k + 2) * tiny, m),
+    bounds: list[Bound] = [Affine(slack * gamma, slack * (k + 2) * tiny, m),
               Affine(slack * (k + 4) * u, slack * a),
               Affine(slack * (0.5 * ((k + 5) * u + a / t_low) + c_rho * u), SAFETY * c_rho * tiny)]
     return Rule("norm-stats", lambda ctx, func, wide_args, wide_kwargs, ys: bounds)
@@ -1058,7 +1065,7 @@ def _norm_backward_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:
     g, x, mean, dims = args[0], args[1], args[2], list(args[3])
     if mean.dim() != x.dim() or any(mean.shape[d] != 1 for d in dims):
         return None
-    compute = _compute_dtype(unit_roundoff)
+    compute = PrecisionPolicy.of_unit_roundoff(unit_roundoff).compute
     if compute == torch.float64 or not g.numel():
         return _NORM_BACKWARD_STATS
     k = math.prod(x.shape[d] for d in dims)

@@ -28,7 +28,6 @@ exact, no site; only the arithmetic a served op does on its inputs runs here as 
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -56,22 +55,6 @@ PART = 1 << 17
 
 def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     return func(*args, **kwargs)
-
-
-@lru_cache(maxsize=4096)
-def _to_float32(x: float) -> float:
-    try:
-        return struct.unpack("<f", struct.pack("<f", x))[0]
-    except OverflowError:  # struct refuses finite values beyond float32: IEEE says inf
-        return float("inf") if x > 0 else float("-inf")
-
-
-@lru_cache(maxsize=4096)
-def _to_bfloat16(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16))
-
-
-_SCALAR_ROUNDERS = {torch.float32: _to_float32, torch.bfloat16: _to_bfloat16}
 
 
 class WidenCache:
@@ -206,7 +189,7 @@ class RoundingMode(TorchDispatchMode):
         super().__init__()
         self.policy, self.rounder, self.compute = policy, rounder, compute
         self.randomness = randomness
-        self._round_scalar = _SCALAR_ROUNDERS[policy.target]
+        self._round_scalar = policy.scalar_rounder
         self._widened = WidenCache(policy.compute)
         self._bounds = BoundContext(policy)
 

@@ -28,7 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -64,6 +67,22 @@ _FORMATS = {
 _POLICY_DTYPES = frozenset(dtype_name(d) for pair in _FORMATS for d in pair)
 
 
+@lru_cache(maxsize=4096)
+def _to_float32(x: float) -> float:
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # struct refuses finite values beyond float32: IEEE says inf
+        return float("inf") if x > 0 else float("-inf")
+
+
+@lru_cache(maxsize=4096)
+def _to_bfloat16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32).to(torch.bfloat16))
+
+
+_SCALAR_ROUNDERS = {torch.float32: _to_float32, torch.bfloat16: _to_bfloat16}
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """Compute dtype, target dtype and the version of the bound rules (SPEC §3.1)."""
@@ -91,6 +110,22 @@ class PrecisionPolicy:
         if len(parts) != 2 or any(p.strip() not in _POLICY_DTYPES for p in parts):
             raise ConfigError(f"bad precision policy {text!r}; expected e.g. 'float64->float32'")
         return cls(DTYPES[parts[0].strip()], DTYPES[parts[1].strip()])
+
+    @classmethod
+    def of_unit_roundoff(cls, unit_roundoff: float) -> PrecisionPolicy:
+        """The supported policy whose compute dtype has this unit roundoff (each supported
+        pair has a compute dtype of its own). Raises ConfigError for any other."""
+        for compute, target in _FORMATS:
+            if torch.finfo(compute).eps / 2 == unit_roundoff:
+                return cls(compute, target)
+        raise ConfigError(f"no supported precision policy computes with unit roundoff "
+                          f"{unit_roundoff!r}")
+
+    @property
+    def scalar_rounder(self) -> Callable[[float], float]:
+        """Python float -> the nearest target value (as a Python float): how a step's float
+        arguments enter its ops (SPEC §3.3)."""
+        return _SCALAR_ROUNDERS[self.target]
 
     @property
     def name(self) -> str:

@@ -285,6 +285,44 @@ def test_norm_statistics_decompose_where_their_rule_does_not_hold():
     assert_same_bits(y[1], bias)  # x − μ is 0 exactly there, so the formula gives the bias
 
 
+def test_norm_statistics_decide_on_eps_as_the_op_reads_it():
+    """A positive eps that float32 rounds to 0 (the op reads the rounded value, SPEC §3.3):
+    constant rows then have t = 0, which the rule must not certify; decomposed, the record
+    replays bit for bit under the emulated GPU (whose 1/K multiply makes another mean)."""
+    x = torch.full((2, 49), 1.5 * 2.0**-40)
+    assert f32(1e-46) == 0.0
+    assert rule_of(normops.NORM_STATS, (x, [1], 1e-46), {}) is None
+    recorder = Spy()
+    with RoundingMode(POLICY, recorder):
+        recorded = aten.native_layer_norm(x, [49], None, None, 1e-46)
+    replayer = SiteReplayer(POLICY, recorder.log(), step=1)
+    with RoundingMode(POLICY, replayer, compute=SplitK(seed=1, chunks=3)):
+        replayed = aten.native_layer_norm(x, [49], None, None, 1e-46)
+    replayer.finish()
+    for a, b in zip(recorded, replayed, strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert_same_bits(torch.nan_to_num(a), torch.nan_to_num(b))
+
+
+def test_convolution_bounds_take_one_entry_for_every_spatial_dimension():
+    """ATen reads a single stride, padding or dilation entry for all spatial dimensions; so do
+    the bounds (the backward's window norms), with the same result as the entries spelt out."""
+    x = rnd(2, 3, 8, 8, seed=30).requires_grad_()
+    w = rnd(4, 3, 3, 3, seed=31).requires_grad_()
+    g = rnd(2, 4, 4, 4, seed=32)
+    grads = []
+    for lists in (([2], [1], [1]), ([2, 2], [1, 1], [1, 1])):
+        spy = Spy()
+        with RoundingMode(POLICY, spy):
+            y = torch.convolution(x, w, None, *lists, False, [0], 1)
+            y.backward(g)
+        assert [c[2] for c in spy.calls if "convolution" in c[0]] == [True, True]
+        grads.append((y.detach(), x.grad.clone(), w.grad.clone()))
+        x.grad, w.grad = None, None
+    for a, b in zip(*grads, strict=True):
+        assert_same_bits(a, b)
+
+
 def test_var_std_and_var_mean_are_the_two_pass_algorithm_rounded_per_op():
     """ovt's own decomposition (torch's uses the fused prims.var): mean, deviations, squares,
     their sum, the division — each a site, so the result is exactly those rounded steps."""

@@ -692,3 +692,12 @@ def test_bad_policies(text):
 def test_unsupported_pair_names_the_supported_ones():
     with pytest.raises(ConfigError, match="float64->float32, float32->bfloat16"):
         PrecisionPolicy(torch.float64, torch.bfloat16)
+
+
+def test_a_policy_is_found_by_its_unit_roundoff():
+    assert PrecisionPolicy.of_unit_roundoff(2.0**-53) == F64_F32
+    assert PrecisionPolicy.of_unit_roundoff(2.0**-24) == F32_BF16
+    with pytest.raises(ConfigError, match="unit roundoff"):
+        PrecisionPolicy.of_unit_roundoff(2.0**-11)
+    assert F64_F32.scalar_rounder(0.1) == float(np.float32(0.1))
+    assert F32_BF16.scalar_rounder(1 + 2.0**-9) == 1.0
