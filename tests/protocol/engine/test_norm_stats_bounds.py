@@ -332,8 +332,15 @@ def cuda(prec: Precision) -> Machine:
     return run
 
 
-def has_emulated_form() -> bool:
-    return NORM_STATS in getattr(SplitK(seed=0), "_handlers", {})
+def machines(x: np.ndarray, dims: list[int], eps: float, rows: np.ndarray, exact, prec,
+             emulated_too: bool = True) -> dict:
+    """Every machine's three results on one case: the native op with one and two threads, the
+    emulated GPU's forms (`EMULATED`), and the formulas written out in numpy."""
+    runs = {f"native-{n}t": native(n, prec)(x, dims, eps) for n in (1, 2)}
+    if emulated_too:
+        runs.update({repr(s): emulated(s, prec)(x, dims, eps) for s in EMULATED})
+    runs.update(formula_runs(rows, out_shape(x, dims), eps, exact, prec))
+    return runs
 
 
 def rows_of(x: np.ndarray, dims: list[int]) -> np.ndarray:
@@ -548,8 +555,7 @@ def test_norm_stats_native_and_formulas(kind, k, lay):
     if got is None:
         return  # declined, as the docstring says (asserted by `certified`)
     x, dims, eps, rows, exact, rule = got
-    runs = {f"native-{n}t": native(n, F64)(x, dims, eps) for n in (1, 2)}
-    runs.update(formula_runs(rows, out_shape(x, dims), eps, exact, F64))
+    runs = machines(x, dims, eps, rows, exact, F64, emulated_too=False)  # (the next test's)
     check(f"{kind} K={k} {lay}", F64, x, dims, eps, rule, exact, runs)
 
 
@@ -561,8 +567,6 @@ EMULATED = (SplitK(seed=0), SplitK(seed=5, chunks=8, order="pairwise"),
 @pytest.mark.parametrize("k", LENGTHS)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_norm_stats_emulated(kind, k, lay):
-    if not has_emulated_form():
-        pytest.skip("SplitK has no form of norm_stats (it would run the native op)")
     got = certified(kind, k, lay, seed=k, prec=F64)
     if got is None:
         return
@@ -623,10 +627,7 @@ def test_negative_eps(k):
     if rule is None:
         return
     exact = exact_stats(x, eps)
-    runs = {f"native-{n}t": native(n, F64)(x, [1], eps) for n in (1, 2)}
-    if has_emulated_form():
-        runs.update({repr(s): emulated(s, F64)(x, [1], eps) for s in EMULATED})
-    runs.update(formula_runs(x, (1, 1), eps, exact, F64))
+    runs = machines(x, [1], eps, x, exact, F64)
     check(f"eps={eps!r} K={k}", F64, x, [1], eps, rule, exact, runs)
 
 
@@ -645,10 +646,7 @@ def test_norm_stats_float32_compute(kind, k, lay):
     if got is None:
         return
     x, dims, eps, rows, exact, rule = got
-    runs = {f"native-{n}t": native(n, F32)(x, dims, eps) for n in (1, 2)}
-    if has_emulated_form():
-        runs.update({repr(s): emulated(s, F32)(x, dims, eps) for s in EMULATED})
-    runs.update(formula_runs(rows, out_shape(x, dims), eps, exact, F32))
+    runs = machines(x, dims, eps, rows, exact, F32)
     check(f"{kind} K={k} {lay} (float32 compute)", F32, x, dims, eps, rule, exact, runs)
 
 
@@ -659,8 +657,6 @@ def test_variance_bound_needs_its_mean_error_term():
     machine that multiplies by a rounded 1/K (the engine's emulated hardware does): v̂ =
     (μ − μ̂)², which the variance's bound holds only through its (mean error)² term A. Without
     A (only (K + 4)·u·v̂ left) it is exceeded."""
-    if not has_emulated_form():
-        pytest.skip("SplitK has no form of norm_stats")
     x, dims, eps, rows, exact, rule = case("constant", 49, "batch", 0)
     assert rule is not None and exact[1] == [0, 0, 0]
     runs = {"emulated": emulated(SplitK(seed=0), F64)(x, dims, eps),
@@ -733,11 +729,7 @@ def test_random_sweep(prec):
                     if got is None:
                         continue
                     x, dims, eps, rows, exact, rule = got
-                    runs = {f"native-{n}t": native(n, prec)(x, dims, eps) for n in (1, 2)}
-                    if has_emulated_form():
-                        runs.update({repr(s): emulated(s, prec)(x, dims, eps)
-                                     for s in EMULATED})
-                    runs.update(formula_runs(rows, out_shape(x, dims), eps, exact, prec))
+                    runs = machines(x, dims, eps, rows, exact, prec)
                     worst = max(worst, check(f"{kind} K={k} {lay} seed={seed}", prec, x,
                                              dims, eps, rule, exact, runs))
     print(f"norm_stats {prec.compute}: worst |error| / (e/2) = {worst:.3g}")
