@@ -1,4 +1,4 @@
-"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 2).
+"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 4).
 
 For each element `y` of a rounding site, the op's rule gives `e ≥ 0` such that *every*
 conforming implementation of the op on the same (target-representable) inputs — any summation
@@ -26,10 +26,13 @@ The rules:
   inner products). `S` over-estimates `Σ|terms|` cheaply: by Cauchy–Schwarz (`‖a_i‖·‖b_j‖`)
   for the matmul family and convolutions, else by the same op on `|inputs|` (one extra pass).
 - **own rules** for a few fused elementwise ops (axpy-style add, lerp with tensor weights),
-  each a short rounding-error sum in the docstring;
+  each a short rounding-error sum in the docstring; for composite ops (version 3: the softmax
+  family, GELU, layer norm's backward); and for the norm statistics of ovt's own ops
+  (version 4, `protocol.engine.normops`);
 - **fixed formulas** (`e = 0`): addcmul, addcdiv and lerp with a scalar weight, which ovt
-  computes as a fixed sequence of IEEE operations (`protocol.engine.pointwise`), so that every
-  conforming machine gets the same bits (`FIXED_FORMULA`).
+  computes as a fixed sequence of IEEE operations (`protocol.engine.pointwise`), and the
+  normalize formulas of `normops`, so that every conforming machine gets the same bits
+  (`FIXED_FORMULA`).
 
 Every bound also carries an absolute floor of `K` (or `n`) compute-dtype subnormal units, for
 results that underflow. Ops without a rule are decomposed into ops with one
