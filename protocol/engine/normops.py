@@ -18,9 +18,10 @@ Layer norm and batch norm (training) run as two sites each instead of their doze
   sums with the reduction rule (`bounds`), and `torch.ops.ovt.normalize_backward(...)`, the
   input gradient from those rounded sums: a fixed formula again.
 
-Both are Python implementations over torch ops, registered with `torch.library` so that the
-interceptor sees them as ops (one site each) and a profile can compute them in another
-conforming form (`splitk`). They run on any device.
+All four are Python implementations over torch ops, registered with `torch.library` so that
+the interceptor sees them as ops (one site each) and a profile can compute the statistics in
+another conforming form (`splitk`); they run on any device. On the CPU the two formulas also
+run as fused C++ passes straight from float32 operands, the same bits (`fused_formula`).
 """
 
 from __future__ import annotations
