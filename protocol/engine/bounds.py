@@ -1059,17 +1059,17 @@ _NORM_BACKWARD_STATS = Rule("norm-backward-stats", _norm_backward_stats)
 
 
 def _norm_backward_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:
-    """norm_backward_stats's rule where it holds, else None (decomposed): the mean constant
-    along the reduced dimensions (a dimension of one there, as the rule's D assumes) and, in a
-    float32 compute dtype, K·max |g|·(max |x| + max |μ̂|) below a quarter of its largest value,
-    so that no difference, product or partial sum overflows in any order (in float64 no
-    product or sum of K float32 values can). A decision on shapes and exact selections, the
-    same on every party."""
+    """norm_backward_stats's rule where it holds, else None (decomposed): a nonempty input,
+    the mean constant along the reduced dimensions (a dimension of one there, as the rule's D
+    assumes) and, in a float32 compute dtype, K·max |g|·(max |x| + max |μ̂|) below a quarter
+    of its largest value, so that no difference, product or partial sum overflows in any order
+    (in float64 no product or sum of K float32 values can). A decision on shapes and exact
+    selections, the same on every party."""
     g, x, mean, dims = args[0], args[1], args[2], list(args[3])
-    if mean.dim() != x.dim() or any(mean.shape[d] != 1 for d in dims):
-        return None
+    if not x.numel() or mean.dim() != x.dim() or any(mean.shape[d] != 1 for d in dims):
+        return None  # (an empty row has no extremes: its sums run as primitives)
     compute = PrecisionPolicy.of_unit_roundoff(unit_roundoff).compute
-    if compute == torch.float64 or not g.numel():
+    if compute == torch.float64:
         return _NORM_BACKWARD_STATS
     k = math.prod(x.shape[d] for d in dims)
     mean_top = float(_f64(mean).abs().max()) if mean.numel() else 0.0

@@ -405,6 +405,18 @@ def test_batch_norm_backward_runs_as_its_sums_and_the_input_gradients_formula():
     assert close_to(x.grad, x64.grad, 64) and close_to(weight.grad, w64.grad, 64)
 
 
+def test_batch_norm_backward_sums_of_an_empty_batch_run_as_primitives():
+    """No row has extremes to bound by: the two sums run as their primitives (zeros)."""
+    g, x, mean = torch.zeros(0, 3, 4, 4), torch.zeros(0, 3, 4, 4), torch.zeros(1, 3, 1, 1)
+    assert rule_of(normops.NORM_BACKWARD_STATS, (g, x, mean, [0, 2, 3]), {}) is None
+    spy = Spy()
+    with RoundingMode(POLICY, spy):
+        sums = normops.NORM_BACKWARD_STATS(g, x, mean, [0, 2, 3])
+    assert "ovt.norm_backward_stats.default" not in spy.ops
+    for s in sums:
+        assert_same_bits(s, torch.zeros(1, 3, 1, 1))
+
+
 def test_batch_norm_training_replays_bit_exactly_under_splitk():
     """Forward and backward, under the emulated GPU (its own form of the statistics, its sums
     split) and with the log recorded natively."""
