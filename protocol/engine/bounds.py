@@ -986,7 +986,7 @@ def _rstd_error(compute: torch.dtype) -> float:
     return max(2 * _MAX_ULPS["rsqrt"] * factor, 2 * _MAX_ULPS["sqrt"] * factor + 2)
 
 
-def _norm_stats_rule(args: tuple, kwargs: dict, unit_roundoff: float) -> Rule | None:
+def _norm_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:
     """norm_stats(x, dims, eps) -> (μ̂, v̂, ρ̂) over rows of K elements: its own rule where it
     holds on these inputs, else None (decomposed). With M = max |x| of a row, every conforming
     machine computes
@@ -1034,9 +1034,10 @@ def _norm_stats_rule(args: tuple, kwargs: dict, unit_roundoff: float) -> Rule | 
             and k * m_max * m_max + eps <= info.max / 4):
         return None  # (a NaN M, R or eps fails every comparison)
     slack = SAFETY * _SLACK
+    rstd_scale = slack * (0.5 * ((k + 5) * u + a / t_low) + c_rho * u)
     bounds: list[Bound] = [Affine(slack * gamma, slack * (k + 2) * tiny, m),
-              Affine(slack * (k + 4) * u, slack * a),
-              Affine(slack * (0.5 * ((k + 5) * u + a / t_low) + c_rho * u), SAFETY * c_rho * tiny)]
+                           Affine(slack * (k + 4) * u, slack * a),
+                           Affine(rstd_scale, SAFETY * c_rho * tiny)]
     return Rule("norm-stats", lambda ctx, func, wide_args, wide_kwargs, ys: bounds)
 
 
@@ -1161,7 +1162,7 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if func in _PRIMS:
         return _PRIMS[func]
     if func == normops.NORM_STATS:
-        return _norm_stats_rule(args, kwargs, unit_roundoff)
+        return _norm_stats_rule(args, unit_roundoff)
     if func == normops.NORM_BACKWARD_STATS:
         return _norm_backward_stats_rule(args, unit_roundoff)
     if func in (normops.NORMALIZE, normops.NORMALIZE_BACKWARD):  # IEEE operations (`normops`)
