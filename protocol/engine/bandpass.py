@@ -191,7 +191,7 @@ def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
                           weight=b.weight)
     if b.col is None:
         return _rows(y, b.m, b.scale, b.floor)
-    rows, inner = y.shape[-2], y.shape[-1]
+    rows, inner = b.m.shape[-1], b.col.shape[-1]  # y viewed as (..., rows, inner)
     add = b.add
     if add is not None:
         add = add.to(torch.float64)

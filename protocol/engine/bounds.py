@@ -69,9 +69,11 @@ class Affine:
       `other` a tensor of `y`'s shape, for the composite rules relative to their result and an
       operand (GELU's x, its backward's g), so that no tensor of bases is written;
     - `m`, broadcast to `y` (the reductions' `S`);
-    - `m[..., i]·col[..., j] + add` for a `y` of shape (..., M, N), where `col` is given: the
-      Cauchy–Schwarz bound of the matmul family, `m` (..., M) and `col` (..., N) the norms,
-      `add` (broadcast to `y`, or None) the magnitudes of an added matrix (addmm's bias).
+    - `m[..., i]·col[..., j] + add` for `y` viewed as (..., M, N), where `col` is given, M
+      being `m`'s last dimension and N `col`'s: the Cauchy–Schwarz bound of the matmul family,
+      `m` (..., M) and `col` (..., N) the norms, `add` (broadcast to (..., M, N), or None) the
+      magnitudes of an added matrix (addmm's bias); and of a convolution, each (n, c) a row
+      and N its spatial positions (`_windows_times_channels`).
 
     `dense` evaluates it with torch ops in the same order of operations as the fused pass, so
     both give the same bits.
@@ -97,6 +99,7 @@ class Affine:
             base = self.m.unsqueeze(-1) * self.col.unsqueeze(-2)
             if self.add is not None:
                 base = base + self.add
+            base = base.reshape(y.shape)
         return base * self.scale + self.floor
 
 
@@ -199,12 +202,19 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
     cannot. Along a dimension adjacent in memory `vector_norm`; along any other (a transposed
     view's rows, a matrix's columns), where `vector_norm` is several times slower on the CPU,
-    the squares summed — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK`
-    at a time, the block sums added up, so that the squares stay in the cache (GPT-2's
-    50257 × 768 embedding: 4× faster). Any order of the sum is within the reduction rule's own
-    error, which `SAFETY` covers."""
+    one C++ pass over a view of at most three dimensions (`torch.ops.ovt.norms`: the squares
+    summed along `dim` into float64 accumulators, adjacent results together, no squared copy)
+    where the library is loaded (`fused.computes_bounds`); else the squares summed with torch
+    ops — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the
+    block sums added up, so that the squares stay in the cache. Any order of the sum is within
+    the reduction rule's own error, which `SAFETY` covers."""
     if x.stride(dim) == 1 or x.shape[dim] == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
+    layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
+    if layout is not None and fused.computes_bounds(x) and x.dtype in (torch.float64,
+                                                                       torch.float32):
+        kept = x.shape[:dim] + x.shape[dim + 1:]
+        return torch.ops.ovt.norms(x, *layout).reshape(kept)
     if x.numel() < _NORMS_BLOCKED or not x.is_cpu:  # (on CUDA: one kernel, not hundreds)
         wide = x.to(torch.float64)
         return (wide * wide).sum(dim).sqrt()
@@ -221,6 +231,29 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 _NORMS_BLOCKED = 1 << 21
 _NORM_BLOCK = 1 << 17
+
+
+@lru_cache(maxsize=4096)
+def _norms_layout(shape: tuple[int, ...], strides: tuple[int, ...], dim: int
+                  ) -> tuple[int, int, int, int, int, int] | None:
+    """(outer, reduced, inner, outer stride, reduced stride, inner stride) viewing a tensor of
+    `shape` and `strides` as (outer, reduced, inner) with `dim` reduced and the other dimensions
+    in order, outer and inner each one stride; None where they are not (a view of four or more
+    dimensions that do not merge)."""
+    kept = [(n, s) for d, (n, s) in enumerate(zip(shape, strides, strict=True))
+            if d != dim and n != 1]
+    merged: list[tuple[int, int]] = []
+    for n, s in kept:  # (a dimension merges into the one before it where it steps inside it)
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
+        else:
+            merged.append((n, s))
+    if len(merged) > 2:
+        return None
+    while len(merged) < 2:
+        merged.insert(0, (1, 0))
+    (outer, sa), (inner, sc) = merged
+    return outer, shape[dim], inner, sa, strides[dim], sc
 
 
 def _mag(value) -> torch.Tensor | float:
@@ -565,10 +598,45 @@ def _per_sample(x: torch.Tensor) -> torch.Tensor:
 
 
 def _per_channel(x: torch.Tensor) -> torch.Tensor:
-    """‖x[:, c]‖ over everything but the channel dimension: the squares summed in float64
-    (as `_norms` across a dimension), with no copy of `x` into channel-major order."""
-    wide = x.to(torch.float64)
-    return (wide * wide).sum([0, *range(2, x.dim())]).sqrt()
+    """‖x[:, c]‖ over everything but the channel dimension (`_channel_sums`)."""
+    squares = _channel_sums(x, squares=True).squares
+    assert squares is not None
+    return squares.sqrt()
+
+
+@dataclass(frozen=True)
+class _ChannelSums:
+    """Sums of a tensor t of shape (N, C, *spatial) in float64, each None unless asked for:
+    `spatial` Σ_c t² per sample and position, (N, 1, *spatial); per channel (C,): `squares`
+    Σ t², `magnitudes` Σ |t|, `top` max t and `bottom` min t (NaN where a NaN is among them)."""
+
+    spatial: torch.Tensor | None = None
+    squares: torch.Tensor | None = None
+    magnitudes: torch.Tensor | None = None
+    top: torch.Tensor | None = None
+    bottom: torch.Tensor | None = None
+
+
+def _channel_sums(t: torch.Tensor, spatial: bool = False, squares: bool = False,
+                  magnitudes: bool = False, extremes: bool = False) -> _ChannelSums:
+    """The asked-for sums of `t` (`_ChannelSums`): all in one C++ read of `t` where the library
+    is loaded (`fused.computes_bounds`) and `t` is a nonempty contiguous float64 or float32
+    tensor (`torch.ops.ovt.channel_sums`); else with torch ops, one squared copy shared by the
+    two sums of squares. Bounds only: any order of these sums is within `SAFETY`, and a
+    maximum or minimum is exact in every order."""
+    if fused.computes_bounds(t) and t.dtype in (torch.float64, torch.float32) and \
+            t.is_contiguous() and t.numel() and t.dim() >= 2:
+        sums, sq, mag, top, bottom = torch.ops.ovt.channel_sums(t)
+        return _ChannelSums(sums.reshape(t.shape[0], 1, *t.shape[2:]), sq, mag, top, bottom)
+    wide = _f64(t)
+    dims = [0, *range(2, t.dim())]
+    square = wide * wide if spatial or squares else None
+    return _ChannelSums(
+        square.sum(1, keepdim=True) if square is not None and spatial else None,
+        square.sum(dims) if square is not None and squares else None,
+        wide.abs().sum(dims) if magnitudes else None,
+        wide.amax(dims) if extremes else None,
+        wide.amin(dims) if extremes else None)
 
 
 def _per_dim(param: Sequence[int], spatial: int) -> list[int]:
@@ -577,16 +645,29 @@ def _per_dim(param: Sequence[int], spatial: int) -> list[int]:
     return list(param) * spatial if len(param) == 1 else list(param)
 
 
-def _window_norms(t: torch.Tensor, kernel: Sequence[int], stride, padding, dilation,
+def _window_norms(squares: torch.Tensor, kernel: Sequence[int], stride, padding, dilation,
                   transposed: bool = False, size: Sequence[int] | None = None) -> torch.Tensor:
-    """(N, 1, *spatial): the norm, over every channel, of the elements of t[n] that one output
-    position's window reads — a convolution of Σ_c t[n, c]² with a kernel of ones, in float64
-    (its own rounding is within `SAFETY`); `transposed`: the windows of a transposed
-    convolution, the positions of a `size` input that read each one (grad_input's)."""
+    """(N, 1, *spatial): the norm, over every channel, of the elements of a tensor t[n] that
+    one output position's window reads — a convolution of `squares` = Σ_c t[n, c]²
+    (`_ChannelSums.spatial`) with a kernel of ones, in float64 (its own rounding is within
+    `SAFETY`); `transposed`: the windows of a transposed convolution, the positions of a
+    `size` input that read each one (grad_input's). In two spatial dimensions, where the
+    library is loaded (`fused.computes_bounds`), one C++ pass sums each window directly
+    (`torch.ops.ovt.window_norms`) instead of a float64 convolution."""
     spatial = len(kernel)
     stride, padding, dilation = (_per_dim(p, spatial) for p in (stride, padding, dilation))
-    squares = _f64(t).square().sum(1, keepdim=True)
-    ones = torch.ones((1, 1, *kernel), dtype=torch.float64, device=t.device)
+    if spatial == 2 and fused.computes_bounds(squares):  # one C++ pass: the same sums
+        if transposed:
+            assert size is not None
+            out = list(size)
+        else:
+            out = [max(0, (squares.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1)
+                           - 1) // stride[i] + 1) for i in range(2)]
+        norms = torch.ops.ovt.window_norms(squares.reshape(squares.shape[0], *squares.shape[2:])
+                                           .contiguous(), *kernel, *stride, *padding,
+                                           *dilation, transposed, *out)
+        return norms.reshape(squares.shape[0], 1, *out)
+    ones = torch.ones((1, 1, *kernel), dtype=torch.float64, device=squares.device)
     if not transposed:
         conv = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
         return conv(squares, ones, None, stride, padding, dilation).sqrt_()
@@ -626,11 +707,24 @@ def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:
         return [_spread(ctx.sum_bound(k, s), spatial)]
     # w is (C_out, C_in / groups, *k)
     k = w.shape[1] * kernel
-    windows = _window_norms(x, w.shape[2:], stride, padding, dilation)
+    squares = _channel_sums(x, spatial=True).spatial
+    assert squares is not None
+    windows = _window_norms(squares, w.shape[2:], stride, padding, dilation)
+    if bias is None:
+        return [_windows_times_channels(ctx, k, windows, _per_sample(w))]
     base = windows * _per_sample(w).reshape(1, -1, *([1] * spatial))
-    if bias is not None:
-        base, k = base.add_(_f64(bias).abs().reshape(1, -1, *([1] * spatial))), k + 1
-    return [ctx.sum_bound(k, base)]
+    base = base.add_(_f64(bias).abs().reshape(1, -1, *([1] * spatial)))
+    return [ctx.sum_bound(k + 1, base)]
+
+
+def _windows_times_channels(ctx, k: int, windows: torch.Tensor, channels: torch.Tensor
+                            ) -> Affine | float:
+    """The K-term sum bound on windows[n, 0, p]·channels[c] for a result (N, C, *spatial),
+    left as an outer product (`Affine`: per (n, c) row the channel's factor, per (n, p) column
+    the window's), so that no dense tensor of bases is made."""
+    n = windows.shape[0]
+    return ctx.sum_bound(k, channels.reshape(1, -1).expand(n, -1),
+                         windows.reshape(n, -1))
 
 
 def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -645,6 +739,8 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     transposed, groups, mask = bool(args[7]), int(args[9]), args[10]
     kernel, spatial = math.prod(w.shape[2:]), x.dim() - 2
     out: list[Bound] = []
+    g_sums = _channel_sums(g, spatial=mask[0] and not transposed, squares=mask[1],
+                           magnitudes=mask[2])
     if mask[0]:
         if transposed:  # forward used w (C_in, C_out/g, *k): grad_input[:, i] reads w[i]
             w_c, k = _per_sample(w), w.shape[1] * kernel
@@ -652,11 +748,13 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o, and
             # of g[n] only the positions whose windows read its position (`_window_norms`)
             w_c, k = _per_channel(w).repeat(groups), w.shape[0] // groups * kernel
-            windows = _window_norms(g, w.shape[2:], stride, padding, dilation, True,
-                                    x.shape[2:])
-            out.append(ctx.sum_bound(k, windows * w_c.reshape(1, -1, *([1] * spatial))))
+            assert g_sums.spatial is not None
+            windows = _window_norms(g_sums.spatial, w.shape[2:], stride, padding, dilation,
+                                    True, x.shape[2:])
+            out.append(_windows_times_channels(ctx, k, windows, w_c))
     if mask[1]:
-        g_c, x_c = _per_channel(g), _per_channel(x)
+        assert g_sums.squares is not None
+        g_c, x_c = g_sums.squares.sqrt(), _per_channel(x)
         if transposed:  # grad_weight (C_in, C_out/g): row i pairs x_i with g of i's group
             rows, cols = x_c, g_c.reshape(groups, -1)
             k = x.shape[0] * math.prod(x.shape[2:])
@@ -667,8 +765,8 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         cols = cols.repeat_interleave(per_group, dim=0)  # (rows, cols per group)
         out.append(_spread(ctx.sum_bound(k, rows.unsqueeze(1) * cols), spatial))
     if mask[2]:
-        dims = [0, *range(2, g.dim())]
-        out.append(ctx.sum_bound(g.numel() // g.shape[1], g.abs().sum(dims)))
+        assert g_sums.magnitudes is not None
+        out.append(ctx.sum_bound(g.numel() // g.shape[1], g_sums.magnitudes))
     return out
 
 
@@ -900,7 +998,9 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     - dw: three roundings per term (g·(x − μ)·ρ, or g·(ρ·x − ρ·μ)) on |g|·(|x| + |μ|)·ρ, then
       a sum over the M rows: (M + 5)·u·Σ |g|·(|x| + |μ|)·ρ; db: a sum, (M + 1)·u·Σ |g|.
     Each e = SAFETY·1.02 times these, plus (N + 16) subnormal units (a product of four small
-    factors may underflow)."""
+    factors may underflow). Where the library is loaded (`fused.computes_bounds`) one C++ pass
+    over the rows and one over the columns compute these terms (`layer_norm_backward_bound`),
+    else torch ops: the same terms, their sums in other orders (the 1.02 covers any)."""
     g, x, shape, mean, rstd, w, b, mask = args[:8]
     n = math.prod(shape)
     scale, floor = SAFETY * _SLACK * ctx.u, SAFETY * (n + 16) * ctx.tiny
@@ -910,6 +1010,14 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     m = x.numel() // n
     g, x, mean, rstd = _f64(g), _f64(x), _f64(mean), _f64(rstd)
     w = _f64(w) if w is not None else None
+    if fused.computes_bounds(x):  # the terms below, in two C++ passes
+        dx, dw, db = torch.ops.ovt.layer_norm_backward_bound(
+            g.reshape(m, n).contiguous(), x.reshape(m, n).contiguous(),
+            mean.reshape(m).contiguous(), rstd.reshape(m).contiguous(),
+            None if w is None else w.reshape(n).contiguous(), ctx.u)
+        present = [(mask[0], dx.reshape(x.shape)), (mask[1] and w is not None, dw.reshape(shape)),
+                   (mask[2] and b is not None, db.reshape(shape))]
+        return [Affine(scale, floor, base) for wanted, base in present if wanted]
     x2, g2 = x.reshape(m, n), g.reshape(m, n)
     mu, rho = mean.reshape(m, 1).abs(), rstd.reshape(m, 1).abs()
     ax = x2.abs()
@@ -1048,11 +1156,19 @@ def _norm_backward_stats(ctx, func, args, kwargs, ys) -> list[Bound]:
     ≤ γ_{K+1}·G·D, G = Σ |g| and D = max |x − μ̂| of the row (Higham §3.1, as `sum_bound`;
     a product of bfloat16 values may underflow in float32: its K subnormal units). Where it
     does not hold `rule_of` declines (`_norm_backward_stats_rule`)."""
-    g, x, mean, dims = _f64(args[0]), args[1], _f64(args[2]), list(args[3])
+    g, x, mean, dims = args[0], args[1], _f64(args[2]), list(args[3])
     k = math.prod(x.shape[d] for d in dims)
-    total = g.abs().sum(dims, keepdim=True)
-    spread = torch.maximum((_f64(x.amax(dims, keepdim=True)) - mean).abs_(),
-                           (_f64(x.amin(dims, keepdim=True)) - mean).abs_())
+    if dims == [0, *range(2, x.dim())] and x.dim() >= 2:  # per channel (batch norm's layout)
+        kept = (1, x.shape[1], *([1] * (x.dim() - 2)))
+        g_sums, x_sums = _channel_sums(g, magnitudes=True), _channel_sums(x, extremes=True)
+        assert g_sums.magnitudes is not None and x_sums.top is not None \
+            and x_sums.bottom is not None
+        total = g_sums.magnitudes.reshape(kept)
+        top, bottom = x_sums.top.reshape(kept), x_sums.bottom.reshape(kept)
+    else:
+        total = _f64(g).abs().sum(dims, keepdim=True)
+        top, bottom = _f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True))
+    spread = torch.maximum((top - mean).abs_(), (bottom - mean).abs_())
     return [ctx.sum_bound(k, total), ctx.sum_bound(k + 1, total * spread)]
 
 

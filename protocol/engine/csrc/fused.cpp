@@ -17,6 +17,8 @@
 //   compute it;
 // - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
+// - norms, channel_sums, window_norms and layer_norm_backward_bound, bound rules' own
+//   arithmetic (no torch twin: see there);
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
@@ -32,6 +34,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -746,6 +749,392 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
   return {e, true};
 }
 
+// The bound rules' own arithmetic (bounds.py `_norms`, `_layer_norm_backward`). Unlike the
+// passes above these have no torch twin that gives the same bits: each computes a bound, whose
+// sums may run in any order (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in
+// one fixed order, whatever the thread count: the same bits on every run and machine.
+
+// acc[c] += row[c]^2 for c < count, in float64.
+template <typename T>
+OVT_CLONES void add_squares(const T* __restrict__ row, double* __restrict__ acc, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) {
+    const double v = row[c];
+    acc[c] += v * v;
+  }
+}
+
+// out[a, c] = sqrt(sum over k of x[a, k, c]^2), x read through the strides (sa, sk, sc) from xp,
+// summed in k order in float64; parallel over blocks of c within each a.
+template <typename T>
+void norms_run(const T* xp, double* out, int64_t outer, int64_t reduced, int64_t inner,
+               int64_t sa, int64_t sk, int64_t sc) {
+  const int64_t width = std::min<int64_t>(std::max<int64_t>(inner, 1), 256);
+  const int64_t blocks = (inner + width - 1) / width;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced * width, 1));
+  at::parallel_for(0, outer * blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t a = item / blocks, c0 = (item % blocks) * width;
+      const int64_t c1 = std::min(inner, c0 + width);
+      double* acc = out + a * inner;
+      for (int64_t c = c0; c < c1; ++c) acc[c] = 0.0;
+      const T* base = xp + a * sa;
+      for (int64_t k = 0; k < reduced; ++k) {
+        const T* row = base + k * sk;
+        if (sc == 1) {
+          add_squares(row + c0, acc + c0, c1 - c0);
+        } else {
+          for (int64_t c = c0; c < c1; ++c) {
+            const double v = row[c * sc];
+            acc[c] += v * v;
+          }
+        }
+      }
+      for (int64_t c = c0; c < c1; ++c) acc[c] = std::sqrt(acc[c]);
+    }
+  });
+}
+
+// The Euclidean norms of x viewed as (outer, reduced, inner) with strides (sa, sk, sc) from its
+// storage offset, over `reduced`: a contiguous float64 tensor of outer x inner.
+at::Tensor norms(const at::Tensor& x, int64_t outer, int64_t reduced, int64_t inner, int64_t sa,
+                 int64_t sk, int64_t sc) {
+  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.device().is_cpu(),
+              "norms: x must be a float64 or float32 CPU tensor");
+  TORCH_CHECK(outer >= 0 && reduced >= 0 && inner >= 0, "norms: negative sizes");
+  if (outer * reduced * inner > 0) {  // the largest offset read must lie in x's storage
+    const int64_t last = (outer - 1) * sa + (reduced - 1) * sk + (inner - 1) * sc;
+    TORCH_CHECK(sa >= 0 && sk >= 0 && sc >= 0 && x.storage_offset() + last <
+                    static_cast<int64_t>(x.storage().nbytes() / x.element_size()),
+                "norms: the view reaches outside x's storage");
+  }
+  at::Tensor out = at::empty({outer, inner}, x.options().dtype(at::kDouble));
+  if (x.dtype() == at::kDouble) {
+    norms_run(x.data_ptr<double>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
+  } else {
+    norms_run(x.data_ptr<float>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
+  }
+  return out;
+}
+
+// Per-sample and per-channel sums of t viewed as (N, C, S), S the spatial size (bounds.py
+// `_channel_sums`): Σ_c t² per (n, s) — a convolution's window norms start from these — and per
+// channel Σ t², Σ |t|, max t and min t (NaN where a NaN is among them: then Σ t² is NaN), in
+// float64. Each (n, s) sums over c in order; each channel's run of S elements per sample in
+// interleaved lanes (`channel_run`), then the samples' sums in order. (Max and min skip NaNs,
+// whose presence Σ t² shows.)
+// Four float64 lanes (GCC and clang vector extensions): the sums below are written in them, in
+// interleaved partial sums, since the compiler does not reorder a sum itself (-fno-fast-math).
+// (Each helper is inlined, so no Lanes value crosses a call: GCC's note that one would pass
+// differently with AVX enabled does not apply.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef double Lanes __attribute__((vector_size(32)));
+typedef int64_t LaneBits __attribute__((vector_size(32)));
+typedef float FloatLanes __attribute__((vector_size(16)));
+constexpr int64_t kWidth = 4;
+
+__attribute__((always_inline)) inline Lanes load_lanes(const double* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+__attribute__((always_inline)) inline Lanes load_lanes(const float* p) {
+  FloatLanes x;
+  std::memcpy(&x, p, sizeof x);
+  return __builtin_convertvector(x, Lanes);
+}
+
+__attribute__((always_inline)) inline void store_lanes(double* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+
+__attribute__((always_inline)) inline Lanes abs_lanes(Lanes x) {
+  return reinterpret_cast<Lanes>(reinterpret_cast<LaneBits>(x) & kAbsMask);
+}
+
+__attribute__((always_inline)) inline double sum_lanes(Lanes x) { return (x[0] + x[1]) + (x[2] + x[3]); }
+
+// One (n, c) run of `size` elements: its squares added into acc[s], and into out its Σ t², Σ |t|
+// (two sets of lanes, positions s into lane s % 8, added up in lane order), max and min.
+template <typename T>
+OVT_CLONES void channel_run(const T* __restrict__ run, double* __restrict__ acc, int64_t size,
+                            double* __restrict__ out) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes q0 = zero, q1 = zero, a0 = zero, a1 = zero;
+  Lanes h0 = zero - INFINITY, h1 = h0, l0 = zero + INFINITY, l1 = l0;
+  int64_t s = 0;
+  for (; s + 2 * kWidth <= size; s += 2 * kWidth) {
+    const Lanes x0 = load_lanes(run + s), x1 = load_lanes(run + s + kWidth);
+    const Lanes s0 = x0 * x0, s1 = x1 * x1;
+    store_lanes(acc + s, load_lanes(acc + s) + s0);
+    store_lanes(acc + s + kWidth, load_lanes(acc + s + kWidth) + s1);
+    q0 += s0;
+    q1 += s1;
+    a0 += abs_lanes(x0);
+    a1 += abs_lanes(x1);
+    h0 = x0 > h0 ? x0 : h0;
+    h1 = x1 > h1 ? x1 : h1;
+    l0 = x0 < l0 ? x0 : l0;
+    l1 = x1 < l1 ? x1 : l1;
+  }
+  double q = sum_lanes(q0) + sum_lanes(q1), a = sum_lanes(a0) + sum_lanes(a1);
+  double h = -INFINITY, l = INFINITY;
+  for (int64_t j = 0; j < kWidth; ++j) {
+    h = std::max({h, h0[j], h1[j]});
+    l = std::min({l, l0[j], l1[j]});
+  }
+  for (; s < size; ++s) {
+    const double v = run[s];
+    acc[s] += v * v;
+    q += v * v;
+    a += std::fabs(v);
+    h = v > h ? v : h;
+    l = v < l ? v : l;
+  }
+  out[0] = q;
+  out[1] = a;
+  out[2] = h;
+  out[3] = l;
+}
+
+template <typename T>
+void channel_sums_run(const T* tp, double* spatial, double* squares, double* magnitudes,
+                      double* top, double* bottom, int64_t samples, int64_t channels,
+                      int64_t size) {
+  std::vector<double> cells(static_cast<size_t>(samples * channels * 4));
+  at::parallel_for(0, samples, 1, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      double* acc = spatial + n * size;
+      for (int64_t s = 0; s < size; ++s) acc[s] = 0.0;
+      for (int64_t c = 0; c < channels; ++c) {
+        channel_run(tp + (n * channels + c) * size, acc, size,
+                    cells.data() + (n * channels + c) * 4);
+      }
+    }
+  });
+  for (int64_t c = 0; c < channels; ++c) {
+    double q = 0.0, a = 0.0, h = -INFINITY, l = INFINITY;
+    for (int64_t n = 0; n < samples; ++n) {
+      const double* cell = cells.data() + (n * channels + c) * 4;
+      q += cell[0];
+      a += cell[1];
+      h = cell[2] > h ? cell[2] : h;
+      l = cell[3] < l ? cell[3] : l;
+    }
+    squares[c] = q;
+    magnitudes[c] = a;
+    top[c] = std::isnan(q) ? q : h;
+    bottom[c] = std::isnan(q) ? q : l;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> channel_sums(
+    const at::Tensor& t) {
+  TORCH_CHECK((t.dtype() == at::kDouble || t.dtype() == at::kFloat) && t.is_contiguous() &&
+                  t.device().is_cpu() && t.dim() >= 2,
+              "channel_sums: t must be a contiguous float64 or float32 CPU tensor of two or "
+              "more dimensions");
+  const int64_t samples = t.size(0), channels = t.size(1);
+  const int64_t size = samples > 0 && channels > 0 ? t.numel() / (samples * channels) : 0;
+  const auto options = t.options().dtype(at::kDouble);
+  at::Tensor spatial = at::empty({samples, size}, options);
+  at::Tensor squares = at::empty({channels}, options), magnitudes = at::empty({channels}, options);
+  at::Tensor top = at::empty({channels}, options), bottom = at::empty({channels}, options);
+  double* out[] = {spatial.data_ptr<double>(), squares.data_ptr<double>(),
+                   magnitudes.data_ptr<double>(), top.data_ptr<double>(),
+                   bottom.data_ptr<double>()};
+  if (t.dtype() == at::kDouble) {
+    channel_sums_run(t.data_ptr<double>(), out[0], out[1], out[2], out[3], out[4], samples,
+                     channels, size);
+  } else {
+    channel_sums_run(t.data_ptr<float>(), out[0], out[1], out[2], out[3], out[4], samples,
+                     channels, size);
+  }
+  return {spatial, squares, magnitudes, top, bottom};
+}
+
+// A layer norm row's P1 = Σ a, Σ a·|x| and Σ a·|x − mean| into out, a = |g·w| (|g| where w is
+// null), in lanes (`channel_run`).
+OVT_CLONES void layer_norm_row_sums(const double* __restrict__ g, const double* __restrict__ x,
+                                    const double* __restrict__ w, double mean, int64_t n,
+                                    double* __restrict__ out) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes p = zero, q = zero, d = zero;
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    const Lanes gj = load_lanes(g + j), xj = load_lanes(x + j);
+    const Lanes a = abs_lanes(w ? gj * load_lanes(w + j) : gj);
+    p += a;
+    q += a * abs_lanes(xj);
+    d += a * abs_lanes(xj - mean);
+  }
+  double ps = sum_lanes(p), qs = sum_lanes(q), ds = sum_lanes(d);
+  for (; j < n; ++j) {
+    const double a = std::fabs(w ? g[j] * w[j] : g[j]);
+    ps += a;
+    qs += a * std::fabs(x[j]);
+    ds += a * std::fabs(x[j] - mean);
+  }
+  out[0] = ps;
+  out[1] = qs;
+  out[2] = ds;
+}
+
+// A layer norm row's dx bases: a·lead + (|x − mean|·spread_dev + (|x| + mu)·spread_x) + constant.
+OVT_CLONES void layer_norm_row_bases(const double* __restrict__ g, const double* __restrict__ x,
+                                     const double* __restrict__ w, double mean, double mu,
+                                     int64_t n, double spread_dev, double spread_x, double lead,
+                                     double constant, double* __restrict__ out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const double a = std::fabs(w ? g[j] * w[j] : g[j]);
+    const double spread = std::fabs(x[j] - mean) * spread_dev + (std::fabs(x[j]) + mu) * spread_x;
+    out[j] = a * lead + spread + constant;
+  }
+}
+
+// One layer norm row's terms of dw's and db's column sums: (|x| + mu)·|g|·rho and |g|.
+OVT_CLONES void layer_norm_column_terms(const double* __restrict__ g, const double* __restrict__ x,
+                                        double mu, double rho, int64_t count,
+                                        double* __restrict__ dw, double* __restrict__ db) {
+  for (int64_t j = 0; j < count; ++j) {
+    const double ag = std::fabs(g[j]);
+    dw[j] += (std::fabs(x[j]) + mu) * ag * rho;
+    db[j] += ag;
+  }
+}
+
+// A 2-D convolution's window norms (bounds.py `_window_norms`): from squares (N, H, W), the
+// per-sample sums over channels of a tensor's squares, out[n, p, q] = the square root of the
+// sum of those its window reads — not transposed, the positions (p·s_h − pad_h + i·d_h,
+// q·s_w − pad_w + j·d_w) inside H x W for each kernel offset (i, j); transposed, the positions
+// (a, b) whose window reads (p, q) — p = a·s_h − pad_h + i·d_h, likewise q — an out_h x out_w
+// grid. Summed over i, then j, in order.
+at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t kernel_w,
+                        int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                        int64_t dil_h, int64_t dil_w, bool transposed, int64_t out_h,
+                        int64_t out_w) {
+  TORCH_CHECK(squares.dtype() == at::kDouble && squares.is_contiguous() &&
+                  squares.device().is_cpu() && squares.dim() == 3,
+              "window_norms: squares must be a contiguous float64 CPU tensor (N, H, W)");
+  TORCH_CHECK(kernel_h >= 1 && kernel_w >= 1 && stride_h >= 1 && stride_w >= 1 &&
+                  dil_h >= 1 && dil_w >= 1 && out_h >= 0 && out_w >= 0,
+              "window_norms: kernel, stride and dilation must be positive");
+  const int64_t samples = squares.size(0), h = squares.size(1), w = squares.size(2);
+  at::Tensor out = at::empty({samples, out_h, out_w}, squares.options());
+  const double* sp = squares.data_ptr<double>();
+  double* op = out.data_ptr<double>();
+  // the source rows (or columns) one output row reads, one per kernel offset, -1 outside
+  auto sources = [&](int64_t p, int64_t k, int64_t stride, int64_t pad, int64_t dil,
+                     int64_t size) -> int64_t {
+    if (!transposed) {
+      const int64_t at = p * stride - pad + k * dil;
+      return at >= 0 && at < size ? at : -1;
+    }
+    const int64_t t = p + pad - k * dil;
+    return t >= 0 && t % stride == 0 && t / stride < size ? t / stride : -1;
+  };
+  at::parallel_for(0, samples, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<int64_t> cols(static_cast<size_t>(out_w * kernel_w));
+    for (int64_t q = 0; q < out_w; ++q) {
+      for (int64_t j = 0; j < kernel_w; ++j) {
+        cols[static_cast<size_t>(q * kernel_w + j)] = sources(q, j, stride_w, pad_w, dil_w, w);
+      }
+    }
+    for (int64_t n = n0; n < n1; ++n) {
+      const double* plane = sp + n * h * w;
+      for (int64_t p = 0; p < out_h; ++p) {
+        double* row = op + (n * out_h + p) * out_w;
+        for (int64_t q = 0; q < out_w; ++q) row[q] = 0.0;
+        for (int64_t i = 0; i < kernel_h; ++i) {
+          const int64_t src = sources(p, i, stride_h, pad_h, dil_h, h);
+          if (src < 0) continue;
+          const double* line = plane + src * w;
+          for (int64_t q = 0; q < out_w; ++q) {
+            const int64_t* at = cols.data() + q * kernel_w;
+            double total = row[q];
+            for (int64_t j = 0; j < kernel_w; ++j) total += at[j] >= 0 ? line[at[j]] : 0.0;
+            row[q] = total;
+          }
+        }
+        for (int64_t q = 0; q < out_w; ++q) row[q] = std::sqrt(row[q]);
+      }
+    }
+  });
+  return out;
+}
+
+// The bases of bounds.py `_layer_norm_backward` (read its docstring for the terms), for rows of
+// n elements of g and x (contiguous float64, rows x n), the rows' mean and rstd, the weight w
+// (n values, or none) and u: dx's base per element, dw's and db's per column (each times its
+// count: M + 5, M + 1). Each row's sums run left to right; each column's top to bottom.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_bound(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& w, double u) {
+  for (const at::Tensor* t : {&g, &x, &mean, &rstd}) {
+    TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->device().is_cpu(),
+                "layer_norm_backward_bound: operands must be contiguous float64 CPU tensors");
+  }
+  TORCH_CHECK(g.dim() == 2 && x.sizes() == g.sizes() && mean.numel() == g.size(0) &&
+                  rstd.numel() == g.size(0),
+              "layer_norm_backward_bound: g and x must be rows x n, mean and rstd one per row");
+  const int64_t rows = g.size(0), n = g.size(1);
+  const double* wp = nullptr;
+  if (w.has_value()) {
+    TORCH_CHECK(w->dtype() == at::kDouble && w->is_contiguous() && w->numel() == n,
+                "layer_norm_backward_bound: w must be n contiguous float64 values");
+    wp = w->data_ptr<double>();
+  }
+  const double* gp = g.data_ptr<double>();
+  const double* xp = x.data_ptr<double>();
+  const double* mp = mean.data_ptr<double>();
+  const double* rp = rstd.data_ptr<double>();
+  at::Tensor dx = at::empty({rows, n}, g.options());
+  at::Tensor dw = at::empty({n}, g.options());
+  at::Tensor db = at::empty({n}, g.options());
+  double* dxp = dx.data_ptr<double>();
+  const double count = static_cast<double>(n);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(n, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const double* gi = gp + i * n;
+      const double* xi = xp + i * n;
+      const double mu = std::fabs(mp[i]), rho = std::fabs(rp[i]), mean_i = mp[i];
+      double sums[3];
+      layer_norm_row_sums(gi, xi, wp, mean_i, n, sums);
+      const double p1 = sums[0];
+      double q = sums[1];
+      const double q_dev = sums[2];
+      q += mu * p1;
+      const double cube = rho * rho * rho / count;
+      const double b_hat = q_dev + q * ((count + 8.0) * u);
+      const double spread_dev = cube * q * (count + 10.0), spread_x = cube * b_hat * 3.0;
+      const double lead = rho * 7.0, constant = (rho * p1) * ((count + 6.0) / count);
+      layer_norm_row_bases(gi, xi, wp, mean_i, mu, n, spread_dev, spread_x, lead, constant,
+                           dxp + i * n);
+    }
+  });
+  double* dwp = dw.data_ptr<double>();
+  double* dbp = db.data_ptr<double>();
+  const int64_t width = 64;
+  at::parallel_for(0, (n + width - 1) / width, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t block = b0; block < b1; ++block) {
+      const int64_t j0 = block * width, j1 = std::min(n, j0 + width);
+      for (int64_t j = j0; j < j1; ++j) dwp[j] = dbp[j] = 0.0;
+      for (int64_t i = 0; i < rows; ++i) {
+        layer_norm_column_terms(gp + i * n + j0, xp + i * n + j0, std::fabs(mp[i]),
+                                std::fabs(rp[i]), j1 - j0, dwp + j0, dbp + j0);
+      }
+      const double dw_count = static_cast<double>(rows) + 5.0;
+      const double db_count = static_cast<double>(rows) + 1.0;
+      for (int64_t j = j0; j < j1; ++j) {
+        dwp[j] *= dw_count;
+        dbp[j] *= db_count;
+      }
+    }
+  });
+  return {dx, dw, db};
+}
+
 // Philox4x32-10 (rng.py `philox4x32`, the same operations) into `out`: blocks first_block ..
 // first_block + blocks - 1 of the stream keyed (k0, k1), block i's counter being
 // (i mod 2**32, i >> 32, 0, 0) as `RandomStream.words` lays them out, four words each, in
@@ -800,6 +1189,16 @@ TORCH_LIBRARY(ovt, lib) {
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");
   lib.def(
+      "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
+  lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  lib.def(
+      "window_norms(Tensor squares, int kernel_h, int kernel_w, int stride_h, int stride_w, "
+      "int pad_h, int pad_w, int dil_h, int dil_w, bool transposed, int out_h, int out_w) "
+      "-> Tensor");
+  lib.def(
+      "layer_norm_backward_bound(Tensor g, Tensor x, Tensor mean, Tensor rstd, Tensor? w, "
+      "float u) -> (Tensor, Tensor, Tensor)");
+  lib.def(
       "fused_normalize(Tensor x, Tensor mean, Tensor rstd, Tensor? weight, Tensor? bias, "
       "Tensor(a!) out, int outer, int channels, int inner, bool rows) -> ()");
   lib.def(
@@ -813,6 +1212,10 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("pointwise", &pointwise);
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
+  lib.impl("norms", &norms);
+  lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
+  lib.impl("channel_sums", &channel_sums);
+  lib.impl("window_norms", &window_norms);
   lib.impl("fused_normalize", &normalize);
   lib.impl("fused_normalize_backward", &normalize_backward);
 }

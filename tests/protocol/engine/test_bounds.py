@@ -43,11 +43,14 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
+from protocol.engine import fused
 from protocol.engine.bounds import (
     _NORMS_BLOCKED,
     SAFETY,
     BoundContext,
+    _channel_sums,
     _norms,
+    _window_norms,
     bounds_for,
     dense_bound,
     rule_of,
@@ -525,7 +528,7 @@ CONV_ORDERS = ("reversed", "largest-first", "shuffled")
                                   pytest.param("subnormal", marks=pytest.mark.slow),
                                   pytest.param("edges", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("conv", CONVS, ids=CONV_IDS)
-def test_convolution_forward_and_backward(conv, kind):
+def test_convolution_forward_and_backward(conv, kind, bound_arithmetic):
     x_shape, w_shape, *spec = conv
     spec = tuple(spec)
     x, w = data(kind, x_shape, 11), data(kind, w_shape, 12)
@@ -1246,11 +1249,12 @@ def test_index_put_accumulate_counts_broadcast_positions():
     ((800, 3001), 1, True),  # a transposed view's rows
     ((3, 1200, 700), 1, False),  # batched (bmm's operands)
 ])
-def test_blocked_norms_are_the_norms(shape, dim, transpose):
-    """Norms along a strided dimension of a large tensor, summed a block at a time
-    (`bounds._norms`): within a K-term sum's rounding of the exact norms (Fractions, on a
-    sample of the columns), as the squares summed at once are; so the Cauchy–Schwarz bounds
-    built on them keep SAFETY's margin. Values of many magnitudes, zeros among them."""
+def test_blocked_norms_are_the_norms(shape, dim, transpose, bound_arithmetic):
+    """Norms along a strided dimension of a large tensor (`bounds._norms`: the C++ pass, or
+    torch ops summing a block at a time): within a K-term sum's rounding of the exact norms
+    (Fractions, on a sample of the columns), as the squares summed at once are; so the
+    Cauchy–Schwarz bounds built on them keep SAFETY's margin. Values of many magnitudes, zeros
+    among them."""
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape,
                                                                      generator=g))).double()
@@ -1266,3 +1270,118 @@ def test_blocked_norms_are_the_norms(shape, dim, transpose):
         exact = math.sqrt(sum(Fraction(v) ** 2 for v in moved[row].tolist()))
         got = float(blocked.reshape(-1)[row])
         assert abs(got - exact) <= x.shape[dim] * 2.0**-53 * exact  # (γ_K / 2, and a sqrt)
+
+
+def _norm_views():
+    """(name, view, dim): the layouts `_norms` meets — transposed and batched operands,
+    permuted, sliced, expanded (stride 0), of four dimensions, float32 (the bfloat16 policy's
+    compute dtype), empty — with values of many magnitudes, zeros, an infinity and a NaN."""
+    g = torch.Generator().manual_seed(5)
+
+    def values(*shape, dtype=F64):
+        x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-60, 60, shape,
+                                                                       generator=g))
+        x.view(-1)[::5] = 0.0
+        return x.to(dtype)
+
+    a, b, c = values(70, 50), values(6, 40, 30), values(4, 5, 6, 7)
+    special = values(30, 20)
+    special[3, 4], special[7, 9] = math.inf, math.nan
+    return [
+        ("transposed", a.t(), 1), ("columns", a, 0), ("transposed-columns", a.t(), 0),
+        ("batched", b, 1), ("batched-transposed", b.transpose(1, 2), 2),
+        ("merged", b.transpose(1, 2), 1), ("permuted", b.permute(2, 0, 1), 1),
+        ("permuted-last", b.permute(2, 0, 1), 2), ("sliced", b[:, ::3, 1:], 1),
+        ("expanded", values(8, 1, 5).expand(8, 6, 5), 1),
+        ("expanded-over", values(8, 1, 5).expand(8, 6, 5), 0),
+        ("four-dims", c, 2), ("four-dims-first", c, 0),
+        ("four-dims-unmerged", c.permute(0, 2, 1, 3), 1),
+        ("float32", values(40, 30, dtype=torch.float32), 0),
+        ("empty-reduced", values(3, 0, 4), 1), ("empty-kept", values(3, 4, 0), 1),
+        ("special", special, 0),
+    ]
+
+
+WINDOWS = [  # (input spatial size, kernel, stride, padding, dilation)
+    ((9, 11), (3, 3), (1, 1), (1, 1), (1, 1)),
+    ((9, 11), (3, 2), (2, 3), (0, 2), (2, 1)),
+    ((8, 8), (1, 1), (2, 2), (0, 0), (1, 1)),
+    ((6, 7), (5, 4), (3, 1), (2, 0), (1, 2)),
+    ((1, 1), (3, 3), (1, 1), (1, 1), (1, 1)),
+]
+
+
+@pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), WINDOWS)
+def test_window_norms_of_the_kernel_are_the_convolutions(size, kernel, stride, padding,
+                                                         dilation, monkeypatch):
+    """The C++ window norms (`torch.ops.ovt.window_norms`) against the float64 convolutions of
+    ones that `_window_norms` computes without it: the same shapes and, each a sum of at most
+    kernel-size nonnegative terms, the same values to a few float64 units — forward windows,
+    and the transposed windows of grad_input (with an input size the stride leaves a remainder
+    of, as ATen's output_padding)."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    g = torch.Generator().manual_seed(3)
+    squares = torch.rand((4, 1, *size), generator=g, dtype=F64) * 1e3
+    squares[0, 0, 0, 0] = 0.0
+    forward = _window_norms(squares, kernel, stride, padding, dilation)
+    out = forward.shape[2:]
+    transposed_size = [(out[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1)
+                       + 1 + (stride[i] - 1) for i in range(2)]
+    grads = torch.rand((4, 1, *out), generator=g, dtype=F64)
+    backward = _window_norms(grads, kernel, stride, padding, dilation, True, transposed_size)
+    monkeypatch.setattr(fused, "computes_bounds", lambda t: False)
+    for got, want in ((forward, _window_norms(squares, kernel, stride, padding, dilation)),
+                      (backward, _window_norms(grads, kernel, stride, padding, dilation, True,
+                                               transposed_size))):
+        assert got.shape == want.shape
+        assert torch.all((got - want).abs() <= math.prod(kernel) * 2.0**-52 * want)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("shape", [(5, 3, 4, 6), (2, 7, 9), (3, 4), (1, 2, 3, 2, 2)])
+def test_channel_sums_of_the_kernel_are_the_torch_sums(shape, dtype, monkeypatch):
+    """`_channel_sums` in its one C++ read against torch ops: the sums of squares and of
+    magnitudes to a K-term sum's rounding, the maxima and minima bit for bit; a channel holding
+    a NaN has NaN extremes, one holding an infinity an infinite sum of squares."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    g = torch.Generator().manual_seed(9)
+    t = (torch.randn(shape, generator=g) *
+         torch.exp2(torch.randint(-30, 30, shape, generator=g).float())).to(dtype)
+    t[0, 1] = math.nan
+    t[-1, 0].reshape(-1)[-1] = -math.inf
+    got = _channel_sums(t, spatial=True, squares=True, magnitudes=True, extremes=True)
+    monkeypatch.setattr(fused, "computes_bounds", lambda t: False)
+    want = _channel_sums(t, spatial=True, squares=True, magnitudes=True, extremes=True)
+    terms = t.numel() // t.shape[1]
+    for name in ("spatial", "squares", "magnitudes"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.shape == b.shape and a.dtype == F64, name
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), name
+        finite = a.isfinite()
+        assert torch.all((a[finite] - b[finite]).abs() <= terms * 2.0**-52 * b[finite]), name
+    for name in ("top", "bottom"):
+        assert torch.equal(getattr(got, name).nan_to_num(7.0),
+                           getattr(want, name).nan_to_num(7.0)), name
+    assert got.top[1].isnan() and got.squares[0] == math.inf
+
+
+@pytest.mark.parametrize("index", range(len(_norm_views())))
+def test_norms_of_every_layout(index, bound_arithmetic):
+    """`_norms` on each layout: the shape of the sum over `dim`, and each norm within a K-term
+    sum's rounding of the exact one (Fractions), +inf where the column holds an infinity and
+    NaN where it holds a NaN, 0 where it holds no terms."""
+    name, x, dim = _norm_views()[index]
+    got = _norms(x, dim)
+    kept = x.shape[:dim] + x.shape[dim + 1:]
+    assert got.shape == kept and got.dtype == F64, name
+    moved = x.movedim(dim, -1).reshape(math.prod(kept), x.shape[dim]).double()
+    for row, norm in zip(moved.tolist(), got.reshape(-1).tolist(), strict=True):
+        if any(math.isnan(v) for v in row):
+            assert math.isnan(norm), name
+        elif any(math.isinf(v) for v in row):
+            assert norm == math.inf, name
+        else:
+            exact = math.sqrt(sum(Fraction(v) ** 2 for v in row))
+            assert abs(norm - exact) <= (len(row) + 1) * 2.0**-53 * exact, name
