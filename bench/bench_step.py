@@ -1,6 +1,6 @@
 """Per-step cost of ovt against plain training, and the size of its rounding logs.
 
-For each built-in program this builds four executors from one initial state S_0:
+For each built-in program this builds six executors from one initial state S_0:
 
     plain32  ordinary float32 training            (mode "plain")
     plain64  ordinary float64 training            (mode "plain64")
@@ -8,17 +8,21 @@ For each built-in program this builds four executors from one initial state S_0:
     replay   ovt, auditor side: replays L_t       (mode "ovt", the log just recorded)
     record-torch  record with torch ops (`OVT_FUSED=0`) instead of the fused C++ passes:
              its log and state must equal record's (checked every step)
+    nearest  ovt's interceptor with every site rounded to nearest-even and no bound computed:
+             not a conforming execution (nothing certifies its rounding), but what widening,
+             computing and rounding cost alone — the floor of this design, against which
+             record's bounds and band work are measured (its state drifts from record's)
 
 and runs them interleaved, one step of each per step index, so that a noisy shared machine
-slows all four alike. Warm-up steps are discarded; the table reports medians of the step's own
+slows all six alike. Warm-up steps are discarded; the table reports medians of the step's own
 wall time (`StepResult.seconds`: forward, backward and optimizer update, not batch assembly) and
-the ratios record/plain32, record/plain64, replay/plain32, replay/record, plus the log figures
-(bytes per step, rounded elements, entries, bytes per rounded element, ratio to the dense
-ternary encoding at 1.6 bits per element). Each timed step runs `--repeats` times (default 3)
-from the same state, restored between repeats outside the timing, and counts its fastest
-repeat: on a shared machine other load only ever adds time. After every step the replay's
-state hash must equal the record's: a benchmark of a wrong replay would be meaningless, so the
-check is printed too.
+the ratios record/plain32, record/plain64, replay/plain32, replay/record, nearest/plain64,
+plus the log figures (bytes per step, rounded elements, entries, bytes per rounded element,
+ratio to the dense ternary encoding at 1.6 bits per element). Each timed step runs
+`--repeats` times (default 3) from the same state, restored between repeats outside the timing,
+and counts its fastest repeat: on a shared machine other load only ever adds time. After every
+step the replay's state hash must equal the record's: a benchmark of a wrong replay would be
+meaningless, so the check is printed too.
 
     python bench/bench_step.py                       # bench presets (reference W2, W3)
     python bench/bench_step.py --preset test --steps 4 --warmup 1   # quick smoke run
@@ -44,10 +48,11 @@ from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import BUILTIN, load_program
+from protocol.engine.rounding import SiteRecorder
 
-ROLES = ("plain32", "plain64", "record", "replay", "record-torch")
+ROLES = ("plain32", "plain64", "record", "replay", "record-torch", "nearest")
 MODE_OF = {"plain32": "plain", "plain64": "plain64", "record": "ovt", "replay": "ovt",
-           "record-torch": "ovt"}
+           "record-torch": "ovt", "nearest": "ovt"}
 
 # The reference implementation's figures (BACKGROUND.md; CPU, 2 threads): W2 small CNN with
 # BatchNorm, batch 64, SGD momentum <-> image-cnn; W3 2-layer transformer d128 seq64 batch 8,
@@ -99,6 +104,14 @@ def _with_torch_ops(step):
         fused.ENABLED = saved
 
 
+class NearestRounder(SiteRecorder):
+    """The nearest role's rounder: a recorder whose sites need no bounds (`RoundingMode` then
+    passes e = 0), so it rounds every element to nearest-even and logs nothing."""
+
+    def bounds_needed(self) -> bool:
+        return False
+
+
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -119,11 +132,12 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
         raise RuntimeError(f"{name}: replay executor does not hold S_0 after load_state")
 
     execs["record-torch"].load_state(s0)
+    execs["nearest"].load_state(s0)
     run = ProgramRun(name)
     for t in range(1, warmup + steps + 1):
         keep = t > warmup
         # Timed steps run `repeats` times from the same S_{t-1} (restored between repeats, outside
-        # the timing), interleaved across the four executors; a step's time is its fastest repeat.
+        # the timing), interleaved across the executors; a step's time is its fastest repeat.
         n = repeats if keep else 1
         before = {role: execs[role].state() for role in ROLES} if n > 1 else None
         res, best = {}, {}
@@ -135,6 +149,8 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
                     out = execs[role].step(res["record"].log)
                 elif role == "record-torch":
                     out = _with_torch_ops(execs[role].step)
+                elif role == "nearest":
+                    out = execs[role].step(rounder=NearestRounder(policy))
                 else:
                     out = execs[role].step()
                 res.setdefault(role, out)  # the first repeat's result (and log)
@@ -176,6 +192,7 @@ def summarize(run: ProgramRun) -> dict:
         "replay_over_plain64": med["replay"] / med["plain64"],
         "replay_over_record": med["replay"] / med["record"],
         "record_torch_over_record": med["record-torch"] / med["record"],
+        "nearest_over_plain64": med["nearest"] / med["plain64"],
         "plain64_over_plain32": med["plain64"] / med["plain32"],
         # best-of-steps ratios: less sensitive to other load on a shared machine
         "min_step_s": mn,
@@ -246,7 +263,8 @@ def print_table(summaries: list[dict], meta: dict) -> None:
                        ("record_over_plain64", "record / plain64"),
                        ("replay_over_plain32", "replay / plain32 (auditor)"),
                        ("replay_over_record", "replay / record"),
-                       ("record_torch_over_record", "record-torch / record")):
+                       ("record_torch_over_record", "record-torch / record"),
+                       ("nearest_over_plain64", "nearest / plain64 (the floor)")):
         row(label, [f"{s[key]:.2f}x" for s in summaries])
         if any(s["reference"] and key in s["reference"] for s in summaries):
             row("  reference impl.", [ref_cell(s, key, "{:.1f}x") for s in summaries])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RATIOS = ("record_over_plain32", "record_over_plain64", "replay_over_plain32",
-          "replay_over_record")
+          "replay_over_record", "nearest_over_plain64")
 
 
 def test_bench_step_smoke(tmp_path):
