@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from protocol.engine import normops, pointwise
 from protocol.engine.bounds import FIXED_FORMULA, BoundContext, Rule, bounds_for, rule_of
@@ -416,10 +416,19 @@ class RoundingMode(TorchDispatchMode):
         return dtype
 
     def _reads_floats(self, args, kwargs) -> bool:
+        """Whether an op reads (or asks for) a float of the policy's dtypes. An ATen op's
+        arguments nest one level at most (Tensor[], Tensor?[]), so no pytree walk is needed."""
         dtypes = (self.policy.target, self.policy.compute)
-        return kwargs.get("dtype") in dtypes or any(
-            isinstance(leaf, torch.Tensor) and leaf.dtype in dtypes
-            for leaf in tree_flatten((args, kwargs))[0])
+        if kwargs.get("dtype") in dtypes:
+            return True
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                if value.dtype in dtypes:
+                    return True
+            elif isinstance(value, (list, tuple)) and any(
+                    isinstance(v, torch.Tensor) and v.dtype in dtypes for v in value):
+                return True
+        return False
 
     def _decompose(self, func, args, kwargs):
         """Run `func` as its decomposition into ops with bound rules (SPEC §3.2.1), each
@@ -517,7 +526,12 @@ class RoundingMode(TorchDispatchMode):
             (r,) = self._round_site(func, rule, inputs, [out])  # the common case: one result
             return r.to(self.policy.compute) if keep_compute else r
         write_of = {id(wide): orig for orig, wide in writes}
-        leaves, spec = tree_flatten(out)
+        spec: TreeSpec | None = None  # (a multi-output op's tensors or Nones need no pytree)
+        if type(out) in (tuple, list) and all(v is None or isinstance(v, torch.Tensor)
+                                              for v in out):
+            leaves = list(out)
+        else:
+            leaves, spec = tree_flatten(out)
         # per leaf: index into ys, the written original, or the leaf itself
         ys: list[torch.Tensor] = []
         slots: list[tuple[str, Any]] = []
@@ -537,7 +551,10 @@ class RoundingMode(TorchDispatchMode):
         for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
             orig.copy_(r)
             self._widened.forget(orig)
-        return tree_unflatten([rounded[v] if kind == "y" else v for kind, v in slots], spec)
+        results = [rounded[v] if kind == "y" else v for kind, v in slots]
+        if spec is None:
+            return type(out)(results)
+        return tree_unflatten(results, spec)
 
     def _round_site(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
