@@ -594,7 +594,7 @@ def _dot(ctx, func, args, kwargs, ys) -> list[Bound]:
 
 def _per_sample(x: torch.Tensor) -> torch.Tensor:
     """‖x[n]‖ over everything but the batch dimension."""
-    return _norms(x.reshape(x.shape[0], -1), 1)
+    return _norms(x.reshape(x.shape[0], math.prod(x.shape[1:])), 1)  # (an empty batch too)
 
 
 def _per_channel(x: torch.Tensor) -> torch.Tensor:
@@ -724,7 +724,7 @@ def _windows_times_channels(ctx, k: int, windows: torch.Tensor, channels: torch.
     the window's), so that no dense tensor of bases is made."""
     n = windows.shape[0]
     return ctx.sum_bound(k, channels.reshape(1, -1).expand(n, -1),
-                         windows.reshape(n, -1))
+                         windows.reshape(n, math.prod(windows.shape[2:])))  # (n may be 0)
 
 
 def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:

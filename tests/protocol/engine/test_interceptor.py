@@ -417,6 +417,25 @@ def test_batch_norm_backward_sums_of_an_empty_batch_run_as_primitives():
         assert_same_bits(s, torch.zeros(1, 3, 1, 1))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_convolution_of_an_empty_batch_is_rounded(transposed):
+    """A batch of no samples, forward and backward, has its sites (of no elements) like any
+    other: the bounds' window and sample norms take an empty batch (a regression: a reshape
+    with -1 refused one)."""
+    x = torch.zeros(0, 3, 8, 8, requires_grad=True)
+    w = rnd(3, 4, 3, 3, seed=31) if transposed else rnd(4, 3, 3, 3, seed=31)
+    w.requires_grad_()
+    conv = F.conv_transpose2d if transposed else F.conv2d
+    spy = Spy()
+    with RoundingMode(POLICY, spy):
+        y = conv(x, w, padding=1)
+        y.backward(torch.zeros_like(y))
+    assert y.shape == (0, 4, 8, 8)
+    assert_same_bits(w.grad, torch.zeros_like(w))
+    assert "aten.convolution.default" in spy.ops
+    assert "aten.convolution_backward.default" in spy.ops
+
+
 def test_batch_norm_training_replays_bit_exactly_under_splitk():
     """Forward and backward, under the emulated GPU (its own form of the statistics, its sums
     split) and with the log recorded natively."""
