@@ -17,8 +17,8 @@
 //   compute it;
 // - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
-// - norms, channel_sums, window_norms and layer_norm_backward_bound, bound rules' own
-//   arithmetic (no torch twin: see there);
+// - norms, channel_sums, window_norms, layer_norm_backward_bound and
+//   log_softmax_backward_bound, bound rules' own arithmetic (no torch twin: see there);
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
@@ -1063,6 +1063,99 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
   return out;
 }
 
+// Σ |x_j| for j < n, in interleaved lanes (`channel_run`).
+OVT_CLONES double magnitude_sum(const double* __restrict__ x, int64_t n) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes a0 = zero, a1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    a0 += abs_lanes(load_lanes(x + j));
+    a1 += abs_lanes(load_lanes(x + j + kWidth));
+  }
+  double total = sum_lanes(a0) + sum_lanes(a1);
+  for (; j < n; ++j) total += std::fabs(x[j]);
+  return total;
+}
+
+// An upper bound on exp(y), within 6.2 % of it: exp(y) = 2^t, t = y·log2(e), computed here
+// with at most 3u·|t| of error (log2(e) rounded, the product, this add) and raised by 16u·|t|;
+// with n = floor(t) and f = t − n in [0, 1), 2^f <= 1 + f (2^f is convex), so
+// 2^t <= (1 + f)·2^n, exact where that is a normal float64; below the normals 2^(n + 1), and
+// below the subnormals the smallest one (exp(y) > 0). exp(−inf) = 0, +inf gives +inf, NaN NaN.
+inline double exp_above(double y) {
+  constexpr double kLog2e = 1.4426950408889634;
+  if (y == -INFINITY) return 0.0;
+  const double t0 = y * kLog2e;
+  const double t = t0 + std::fabs(t0) * 0x1p-49;
+  if (!(t < 1024.0)) return t != t ? t : INFINITY;
+  const double n = std::floor(t);
+  if (n < -1021.0) return n < -1075.0 ? 0x1p-1074 : std::ldexp(1.0, static_cast<int>(n) + 1);
+  const double power = as_double((static_cast<int64_t>(n) + 1023) << 52);  // 2^n, normal
+  return (1.0 + (t - n)) * power;
+}
+
+// exp_above on four lanes whose t lies in [-1021, 1024) (the caller checks), the same values:
+// floor by the 1.5·2^52 rounding trick (t is far below 2^51) and 2^n from n's bits.
+__attribute__((always_inline)) inline Lanes exp_above_lanes(Lanes y) {
+  constexpr double kLog2e = 1.4426950408889634, kRound = 0x1.8p52;
+  const Lanes t0 = y * kLog2e;
+  const Lanes t = t0 + abs_lanes(t0) * 0x1p-49;
+  Lanes n = (t + kRound) - kRound;  // t rounded to an integer
+  n -= reinterpret_cast<Lanes>(reinterpret_cast<LaneBits>(n > t) & reinterpret_cast<LaneBits>(
+      Lanes{1.0, 1.0, 1.0, 1.0}));  // now floor(t)
+  const LaneBits bits = reinterpret_cast<LaneBits>(n + kRound) - __builtin_bit_cast(int64_t, kRound);
+  return (1.0 + (t - n)) * reinterpret_cast<Lanes>((bits + 1023) << 52);
+}
+
+// One row of `log_softmax_backward_bound`: four elements at a time where each one's t is in
+// exp_above_lanes' range, else one at a time.
+OVT_CLONES void log_softmax_backward_row(const double* __restrict__ g, const double* __restrict__ y,
+                                         int64_t k, double coefficient, double extra,
+                                         double total, double* __restrict__ out) {
+  int64_t j = 0;
+  for (; j + kWidth <= k; j += kWidth) {
+    const Lanes yj = load_lanes(y + j);
+    const Lanes t = yj * 1.4426950408889634;
+    const LaneBits inside = (t > -1020.0) & (t < 1023.0);  // (NaN and ±inf fail both)
+    if (inside[0] && inside[1] && inside[2] && inside[3]) {
+      store_lanes(out + j, (exp_above_lanes(yj) * coefficient + extra) * total +
+                               abs_lanes(load_lanes(g + j)));
+    } else {
+      for (int64_t i = j; i < j + kWidth; ++i) {
+        out[i] = (exp_above(y[i]) * coefficient + extra) * total + std::fabs(g[i]);
+      }
+    }
+  }
+  for (; j < k; ++j) out[j] = (exp_above(y[j]) * coefficient + extra) * total + std::fabs(g[j]);
+}
+
+// The bases of bounds.py `_log_softmax_backward` for rows of k elements of g and y
+// (contiguous float64, rows x k): exp_above(y_i)·coefficient + extra, times the row's
+// G = Σ |g_j| (interleaved lanes), plus |g_i|.
+at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
+                                      double coefficient, double extra) {
+  TORCH_CHECK(g.dtype() == at::kDouble && y.dtype() == at::kDouble && g.is_contiguous() &&
+                  y.is_contiguous() && g.device().is_cpu() && y.device().is_cpu() &&
+                  g.dim() == 2 && g.sizes() == y.sizes(),
+              "log_softmax_backward_bound: g and y must be contiguous float64 CPU tensors, "
+              "rows x k");
+  const int64_t rows = g.size(0), k = g.size(1);
+  at::Tensor base = at::empty({rows, k}, g.options());
+  const double* gp = g.data_ptr<double>();
+  const double* yp = y.data_ptr<double>();
+  double* bp = base.data_ptr<double>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(k, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const double* gi = gp + i * k;
+      const double* yi = yp + i * k;
+      double* out = bp + i * k;
+      log_softmax_backward_row(gi, yi, k, coefficient, extra, magnitude_sum(gi, k), out);
+    }
+  });
+  return base;
+}
+
 // The bases of bounds.py `_layer_norm_backward` (read its docstring for the terms), for rows of
 // n elements of g and x (contiguous float64, rows x n), the rows' mean and rstd, the weight w
 // (n values, or none) and u: dx's base per element, dw's and db's per column (each times its
@@ -1192,6 +1285,8 @@ TORCH_LIBRARY(ovt, lib) {
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
   lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   lib.def(
+      "log_softmax_backward_bound(Tensor g, Tensor y, float coefficient, float extra) -> Tensor");
+  lib.def(
       "window_norms(Tensor squares, int kernel_h, int kernel_w, int stride_h, int stride_w, "
       "int pad_h, int pad_w, int dil_h, int dil_w, bool transposed, int out_h, int out_w) "
       "-> Tensor");
@@ -1215,6 +1310,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("norms", &norms);
   lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
   lib.impl("channel_sums", &channel_sums);
+  lib.impl("log_softmax_backward_bound", &log_softmax_backward_bound);
   lib.impl("window_norms", &window_norms);
   lib.impl("fused_normalize", &normalize);
   lib.impl("fused_normalize_backward", &normalize_backward);

@@ -70,6 +70,7 @@ F64 = torch.float64
 POLICY = PrecisionPolicy()
 CTX = BoundContext(POLICY)
 FLT_MAX = float(np.finfo(np.float32).max)
+FLT64_MAX = float(np.finfo(np.float64).max)
 MP_PREC = 200
 
 FIGURES: dict[str, list[np.ndarray]] = {}
@@ -1365,6 +1366,41 @@ def test_channel_sums_of_the_kernel_are_the_torch_sums(shape, dtype, monkeypatch
         assert torch.equal(getattr(got, name).nan_to_num(7.0),
                            getattr(want, name).nan_to_num(7.0)), name
     assert got.top[1].isnan() and got.squares[0] == math.inf
+
+
+def test_the_kernels_exp_bound_is_above_exp_and_close():
+    """Log-softmax backward's C++ bases (`torch.ops.ovt.log_softmax_backward_bound`) bound
+    exp(y) from its binary exponent: above mpmath's exp(y) at every y — across the float64
+    range, at the normal and subnormal thresholds, past the underflow (where exp(y) > 0 still),
+    and at ±inf and NaN — and within 6.2 % of it; four lanes at a time and one at a time
+    alike (rows of nine: lanes and a tail)."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    rng = np.random.default_rng(2)
+    ln2 = math.log(2)
+    special = [0.0, -0.0, -1e-310, -745.1, -745.2, -708.4, -709.8, -710.0, 709.7, 709.8, 800.0,
+               math.inf, -math.inf, math.nan, -1020 * ln2, -1021 * ln2, -1021.5 * ln2,
+               -1022 * ln2, -1074.9 * ln2, -1075 * ln2, -1076 * ln2, -1e6]
+    ys = np.concatenate([-np.logspace(-300, 3.2, 600), -rng.random(600) * 800,
+                         rng.random(60) * 700, special])
+    ys = np.resize(ys, (len(ys) + 7) // 8 * 8).reshape(-1, 8)
+    y = torch.cat([torch.zeros(ys.shape[0], 1, dtype=F64), torch.from_numpy(ys)], 1)
+    g = torch.zeros_like(y)
+    g[:, 0] = 1.0  # G = 1 per row, |g| = 0 beyond the first column: the bases are exp_above(y)
+    base = torch.ops.ovt.log_softmax_backward_bound(g, y, 1.0, 0.0)[:, 1:]
+    worst = 1.0
+    for yv, b in zip(ys.ravel().tolist(), base.reshape(-1).tolist(), strict=True):
+        if math.isnan(yv):
+            assert math.isnan(b)
+            continue
+        exact = mpmath.exp(yv) if yv != -math.inf else mpmath.mpf(0)
+        if exact > FLT64_MAX:
+            assert b == math.inf, yv
+            continue
+        assert b >= exact, (yv, b, exact)
+        if exact > 1e-300:
+            worst = max(worst, float(b / exact))
+    assert worst <= 1.062
 
 
 @pytest.mark.parametrize("index", range(len(_norm_views())))

@@ -355,7 +355,7 @@ def gradients(kind: str, k: int, y: np.ndarray, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("k", LENGTHS)
 @pytest.mark.parametrize("grad", ["normal", "near-constant", "one-hot", "mixed"])
 @pytest.mark.parametrize("kind", ["normal", "wide", "dominant", "ties"])
-def test_softmax_backward(kind, grad, k):
+def test_softmax_backward(kind, grad, k, bound_arithmetic):
     x = t64(rows(kind, k, seed=3 * k + 1))
     y = f32(torch.softmax(x, 1).numpy())
     logp = f32(torch.log_softmax(x, 1).numpy())
