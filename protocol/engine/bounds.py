@@ -937,7 +937,8 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     units, not relative: in float32 compute the bound adds n_exp·tiny·G (as 2·n_exp·(tiny/u)·G
     in the base); in float64 that needs G beyond 2**873. Rows along the last dimension, where
     the library is loaded (`fused.computes_bounds`), take one C++ pass per row with an upper
-    bound on exp(y_i) within 6.2 % of it, from its binary exponent (`exp_above`: no exp call)
+    bound on exp(y_i), within 6.2 % of it above the subnormals, from its binary exponent
+    (`exp_above`: no exp call)
     instead of exp itself: at GPT-2's vocabulary the torch ops took a fifth of a record step."""
     g, y, dim = _f64(args[0]), _f64(args[1]), args[2]
     k = _row(y, dim)
@@ -945,7 +946,7 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     extra = 2 * _ulps(ctx, "exp") * ctx.tiny / ctx.u if ctx.policy.compute == torch.float32 \
         else 0.0
     bound = partial(Affine, SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny)
-    if fused.computes_bounds(y) and y.numel() and dim % y.dim() == y.dim() - 1:
+    if fused.computes_bounds(y) and y.numel() and y.dim() and dim % y.dim() == y.dim() - 1:
         rows = (y.numel() // k, k)
         base = torch.ops.ovt.log_softmax_backward_bound(g.reshape(rows).contiguous(),
                                                         y.reshape(rows).contiguous(),

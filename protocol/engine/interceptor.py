@@ -417,16 +417,20 @@ class RoundingMode(TorchDispatchMode):
 
     def _reads_floats(self, args, kwargs) -> bool:
         """Whether an op reads (or asks for) a float of the policy's dtypes. An ATen op's
-        arguments nest one level at most (Tensor[], Tensor?[]), so no pytree walk is needed."""
+        arguments nest one level at most (Tensor[], Tensor?[]), read here without a pytree
+        walk; a deeper container (a custom op's) is walked."""
         dtypes = (self.policy.target, self.policy.compute)
         if kwargs.get("dtype") in dtypes:
             return True
         for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                if value.dtype in dtypes:
-                    return True
-            elif isinstance(value, (list, tuple)) and any(
-                    isinstance(v, torch.Tensor) and v.dtype in dtypes for v in value):
+            if isinstance(value, (list, tuple)) and \
+                    not any(isinstance(v, (list, tuple, dict)) for v in value):
+                leaves = value
+            elif isinstance(value, (list, tuple, dict)):
+                leaves = tree_flatten(value)[0]
+            else:
+                leaves = (value,)
+            if any(isinstance(v, torch.Tensor) and v.dtype in dtypes for v in leaves):
                 return True
         return False
 

@@ -1077,11 +1077,12 @@ OVT_CLONES double magnitude_sum(const double* __restrict__ x, int64_t n) {
   return total;
 }
 
-// An upper bound on exp(y), within 6.2 % of it: exp(y) = 2^t, t = y·log2(e), computed here
-// with at most 3u·|t| of error (log2(e) rounded, the product, this add) and raised by 16u·|t|;
-// with n = floor(t) and f = t − n in [0, 1), 2^f <= 1 + f (2^f is convex), so
-// 2^t <= (1 + f)·2^n, exact where that is a normal float64; below the normals 2^(n + 1), and
-// below the subnormals the smallest one (exp(y) > 0). exp(−inf) = 0, +inf gives +inf, NaN NaN.
+// An upper bound on exp(y), within 6.2 % of it where it is a normal float64: exp(y) = 2^t,
+// t = y·log2(e), computed here with at most 3u·|t| of error (log2(e) rounded, the product, this
+// add) and raised by 16u·|t|; with n = floor(t) and f = t − n in [0, 1), 2^f <= 1 + f (2^f is
+// convex), so 2^t <= (1 + f)·2^n, raised by 4u for 1 + f's rounding (where t is tiny, 1 + f
+// rounds to 1, below 1 + t); below the normals 2^(n + 1), and below the subnormals the smallest
+// one (exp(y) > 0). exp(−inf) = 0, +inf gives +inf, NaN NaN.
 inline double exp_above(double y) {
   constexpr double kLog2e = 1.4426950408889634;
   if (y == -INFINITY) return 0.0;
@@ -1091,7 +1092,7 @@ inline double exp_above(double y) {
   const double n = std::floor(t);
   if (n < -1021.0) return n < -1075.0 ? 0x1p-1074 : std::ldexp(1.0, static_cast<int>(n) + 1);
   const double power = as_double((static_cast<int64_t>(n) + 1023) << 52);  // 2^n, normal
-  return (1.0 + (t - n)) * power;
+  return (1.0 + (t - n)) * power * (1.0 + 0x1p-51);
 }
 
 // exp_above on four lanes whose t lies in [-1021, 1024) (the caller checks), the same values:
@@ -1104,7 +1105,7 @@ __attribute__((always_inline)) inline Lanes exp_above_lanes(Lanes y) {
   n -= reinterpret_cast<Lanes>(reinterpret_cast<LaneBits>(n > t) & reinterpret_cast<LaneBits>(
       Lanes{1.0, 1.0, 1.0, 1.0}));  // now floor(t)
   const LaneBits bits = reinterpret_cast<LaneBits>(n + kRound) - __builtin_bit_cast(int64_t, kRound);
-  return (1.0 + (t - n)) * reinterpret_cast<Lanes>((bits + 1023) << 52);
+  return (1.0 + (t - n)) * reinterpret_cast<Lanes>((bits + 1023) << 52) * (1.0 + 0x1p-51);
 }
 
 // One row of `log_softmax_backward_bound`: four elements at a time where each one's t is in

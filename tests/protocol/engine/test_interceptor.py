@@ -417,6 +417,26 @@ def test_batch_norm_backward_sums_of_an_empty_batch_run_as_primitives():
         assert_same_bits(s, torch.zeros(1, 3, 1, 1))
 
 
+_NESTED = torch.library.Library("ovt_test_nesting", "DEF")  # (defined once per process)
+_NESTED.define("lists(Tensor[][] x) -> Tensor")
+_NESTED.impl("lists", lambda x: x[0][0] * 1.1, "CPU")
+_NESTED.define("mapping(Dict(str, Tensor) x) -> Tensor")
+_NESTED.impl("mapping", lambda x: x["a"] * 1.1, "CPU")
+
+
+@pytest.mark.parametrize("call", [lambda a: torch.ops.ovt_test_nesting.lists([[a]]),
+                                  lambda a: torch.ops.ovt_test_nesting.lists(x=[[a]]),
+                                  lambda a: torch.ops.ovt_test_nesting.mapping({"a": a})],
+                         ids=["nested-lists", "nested-keyword", "dict"])
+def test_floats_nested_deeper_than_atens_are_found(call):
+    """An op without a rule that reads floats is decomposed or refused by name, also where a
+    custom op nests them deeper than ATen's one level (`_reads_floats` walks such containers;
+    a regression: it read one level only, and the op met an assertion instead)."""
+    with pytest.raises(DeterminismError, match="no certified error bound"), \
+            RoundingMode(POLICY, Spy()):
+        call(torch.tensor([1.0, 2.0]))
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 def test_a_convolution_of_an_empty_batch_is_rounded(transposed):
     """A batch of no samples, forward and backward, has its sites (of no elements) like any
