@@ -938,8 +938,8 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     in the base); in float64 that needs G beyond 2**873. Rows along the last dimension, where
     the library is loaded (`fused.computes_bounds`), take one C++ pass per row with an upper
     bound on exp(y_i), within 6.2 % of it above the subnormals, from its binary exponent
-    (`exp_above`: no exp call)
-    instead of exp itself: at GPT-2's vocabulary the torch ops took a fifth of a record step."""
+    (`exp_above`: no exp call): at GPT-2's vocabulary the torch ops took a fifth of a record
+    step."""
     g, y, dim = _f64(args[0]), _f64(args[1]), args[2]
     k = _row(y, dim)
     coefficient = k + 2 * _ulps(ctx, "exp") + 3

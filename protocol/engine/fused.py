@@ -6,8 +6,8 @@ tests/protocol/engine/test_bandpass.py and test_pointwise.py — in one read of 
 CPU: `round_band`, a site's band pass (`bandpass`); `apply_entries`, the replayer's check and
 application of a result's log entries (`bandpass.apply_entries`); `sum_bound`, the exact-sum
 rule's bounds of a sum (`bounds._sum`); and `pointwise`, an elementwise op with e = 0 computed
-from float32 inputs to float32 results (`pointwise`). Two more compute bounds in their own
-order, not a torch sequence's bits (`computes_bounds`). Where the extension is missing
+from float32 inputs to float32 results (`pointwise`). Five more compute bound rules' own sums
+in their own order, not a torch sequence's bits (`computes_bounds`). Where the extension is missing
 (no compiler when ovt was installed) ovt says so once, loudly, and uses the torch ops. The
 environment variable `OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py`
 does both).
@@ -55,8 +55,9 @@ def serves(t: torch.Tensor) -> bool:
 
 
 def computes_bounds(t: torch.Tensor) -> bool:
-    """Whether the bound rules' own C++ arithmetic (`torch.ops.ovt.norms`,
-    `layer_norm_backward_bound`) runs on `t`: the library loaded, and `t` on the CPU. Not
+    """Whether the bound rules' own C++ arithmetic (`torch.ops.ovt.norms`, `channel_sums`,
+    `window_norms`, `layer_norm_backward_bound`, `log_softmax_backward_bound`) runs on `t`:
+    the library loaded, and `t` on the CPU. Not
     `ENABLED`'s switch: these have no torch twin giving the same bits (a bound's sums may run
     in any order, `bounds.SAFETY`), so both the fused and the torch-ops path use them, and
     give the same bounds, hence the same logs."""

@@ -749,8 +749,8 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
   return {e, true};
 }
 
-// The bound rules' own arithmetic (bounds.py `_norms`, `_layer_norm_backward`). Unlike the
-// passes above these have no torch twin that gives the same bits: each computes a bound, whose
+// The bound rules' own arithmetic (bounds.py `_norms`, `_channel_sums`, `_window_norms`,
+// `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch twin that gives the same bits: each computes a bound, whose
 // sums may run in any order (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in
 // one fixed order, whatever the thread count: the same bits on every run and machine.
 
@@ -816,12 +816,6 @@ at::Tensor norms(const at::Tensor& x, int64_t outer, int64_t reduced, int64_t in
   return out;
 }
 
-// Per-sample and per-channel sums of t viewed as (N, C, S), S the spatial size (bounds.py
-// `_channel_sums`): Σ_c t² per (n, s) — a convolution's window norms start from these — and per
-// channel Σ t², Σ |t|, max t and min t (NaN where a NaN is among them: then Σ t² is NaN), in
-// float64. Each (n, s) sums over c in order; each channel's run of S elements per sample in
-// interleaved lanes (`channel_run`), then the samples' sums in order. (Max and min skip NaNs,
-// whose presence Σ t² shows.)
 // Four float64 lanes (GCC and clang vector extensions): the sums below are written in them, in
 // interleaved partial sums, since the compiler does not reorder a sum itself (-fno-fast-math).
 // (Each helper is inlined, so no Lanes value crosses a call: GCC's note that one would pass
@@ -897,6 +891,12 @@ OVT_CLONES void channel_run(const T* __restrict__ run, double* __restrict__ acc,
   out[3] = l;
 }
 
+// Per-sample and per-channel sums of t viewed as (N, C, S), S the spatial size (bounds.py
+// `_channel_sums`): Σ_c t² per (n, s) — a convolution's window norms start from these — and per
+// channel Σ t², Σ |t|, max t and min t (NaN where a NaN is among them: then Σ t² is NaN), in
+// float64. Each (n, s) sums over c in order; each channel's run of S elements per sample in
+// interleaved lanes (`channel_run`), then the samples' sums in order. (Max and min skip NaNs,
+// whose presence Σ t² shows.)
 template <typename T>
 void channel_sums_run(const T* tp, double* spatial, double* squares, double* magnitudes,
                       double* top, double* bottom, int64_t samples, int64_t channels,
@@ -1077,6 +1077,8 @@ OVT_CLONES double magnitude_sum(const double* __restrict__ x, int64_t n) {
   return total;
 }
 
+constexpr double kLog2e = 1.4426950408889634;  // log2(e), rounded: within u of it
+
 // An upper bound on exp(y), within 6.2 % of it where it is a normal float64: exp(y) = 2^t,
 // t = y·log2(e), computed here with at most 3u·|t| of error (log2(e) rounded, the product, this
 // add) and raised by 16u·|t|; with n = floor(t) and f = t − n in [0, 1), 2^f <= 1 + f (2^f is
@@ -1084,7 +1086,6 @@ OVT_CLONES double magnitude_sum(const double* __restrict__ x, int64_t n) {
 // rounds to 1, below 1 + t); below the normals 2^(n + 1), and below the subnormals the smallest
 // one (exp(y) > 0). exp(−inf) = 0, +inf gives +inf, NaN NaN.
 inline double exp_above(double y) {
-  constexpr double kLog2e = 1.4426950408889634;
   if (y == -INFINITY) return 0.0;
   const double t0 = y * kLog2e;
   const double t = t0 + std::fabs(t0) * 0x1p-49;
@@ -1098,13 +1099,14 @@ inline double exp_above(double y) {
 // exp_above on four lanes whose t lies in [-1021, 1024) (the caller checks), the same values:
 // floor by the 1.5·2^52 rounding trick (t is far below 2^51) and 2^n from n's bits.
 __attribute__((always_inline)) inline Lanes exp_above_lanes(Lanes y) {
-  constexpr double kLog2e = 1.4426950408889634, kRound = 0x1.8p52;
+  constexpr double kRound = 0x1.8p52;
   const Lanes t0 = y * kLog2e;
   const Lanes t = t0 + abs_lanes(t0) * 0x1p-49;
   Lanes n = (t + kRound) - kRound;  // t rounded to an integer
   n -= reinterpret_cast<Lanes>(reinterpret_cast<LaneBits>(n > t) & reinterpret_cast<LaneBits>(
       Lanes{1.0, 1.0, 1.0, 1.0}));  // now floor(t)
-  const LaneBits bits = reinterpret_cast<LaneBits>(n + kRound) - __builtin_bit_cast(int64_t, kRound);
+  const LaneBits bits =
+      reinterpret_cast<LaneBits>(n + kRound) - __builtin_bit_cast(int64_t, kRound);  // n
   return (1.0 + (t - n)) * reinterpret_cast<Lanes>((bits + 1023) << 52) * (1.0 + 0x1p-51);
 }
 
@@ -1113,21 +1115,22 @@ __attribute__((always_inline)) inline Lanes exp_above_lanes(Lanes y) {
 OVT_CLONES void log_softmax_backward_row(const double* __restrict__ g, const double* __restrict__ y,
                                          int64_t k, double coefficient, double extra,
                                          double total, double* __restrict__ out) {
+  const auto one = [&](int64_t i) {
+    out[i] = (exp_above(y[i]) * coefficient + extra) * total + std::fabs(g[i]);
+  };
   int64_t j = 0;
   for (; j + kWidth <= k; j += kWidth) {
     const Lanes yj = load_lanes(y + j);
-    const Lanes t = yj * 1.4426950408889634;
+    const Lanes t = yj * kLog2e;
     const LaneBits inside = (t > -1020.0) & (t < 1023.0);  // (NaN and ±inf fail both)
     if (inside[0] && inside[1] && inside[2] && inside[3]) {
       store_lanes(out + j, (exp_above_lanes(yj) * coefficient + extra) * total +
                                abs_lanes(load_lanes(g + j)));
     } else {
-      for (int64_t i = j; i < j + kWidth; ++i) {
-        out[i] = (exp_above(y[i]) * coefficient + extra) * total + std::fabs(g[i]);
-      }
+      for (int64_t i = j; i < j + kWidth; ++i) one(i);
     }
   }
-  for (; j < k; ++j) out[j] = (exp_above(y[j]) * coefficient + extra) * total + std::fabs(g[j]);
+  for (; j < k; ++j) one(j);
 }
 
 // The bases of bounds.py `_log_softmax_backward` for rows of k elements of g and y
