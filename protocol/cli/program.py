@@ -75,6 +75,11 @@ class _TallyingRecorder(SiteRecorder):
         super().round_site_in_parts(op, numel, results)
         self.ops.append(op)
 
+    def round_result_in_place(self, op, y, bound):
+        out = super().round_result_in_place(op, y, bound)
+        self.ops.append(op)
+        return out
+
     def claim_exact_site(self, op: str, numel: int) -> bool:
         self.ops.append(op)
         return super().claim_exact_site(op, numel)

@@ -93,40 +93,55 @@ def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | 
 
 
 def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: PrecisionPolicy,
-               out: torch.Tensor | None = None
+               out: torch.Tensor | None = None, widen_back: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-                          torch.Tensor | None]:
-    """(r, candidates, e at them, values at them) of one result `y` of a site, `flat` its values
-    in logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target dtype —
-    written to `out` where it is given (a 1-D target-dtype tensor of `flat`'s elements: a
-    part's destination, which saves a copy), else a new tensor — the sorted indices into `flat`
-    that may lie in the band (`precision.band_candidates`), their bounds (float64) and `flat`
-    there. The last three are None where there is no candidate."""
+                          torch.Tensor | None, bool]:
+    """(r, candidates, e at them, values at them, widened) of one result `y` of a site, `flat`
+    its values in logical order (`y.reshape(-1)`): `flat` rounded to nearest-even in the target
+    dtype — written to `out` where it is given (a 1-D target-dtype tensor of `flat`'s elements:
+    a part's destination, which saves a copy), else a new tensor — the sorted indices into
+    `flat` that may lie in the band (`precision.band_candidates`), their bounds (float64) and
+    `flat` there. The middle three are None where there is no candidate.
+
+    `widen_back`: the caller owns `flat`'s memory and asks for it to be overwritten with `r`
+    widened, which the fused pass does in the same read (`widened` True; not where a bound
+    factor lies in that memory, nor on the torch-ops path, where it would be a pass of its
+    own): then `flat` holds exactly `r.to(flat.dtype)`, the compute-dtype copy of the result
+    that a later op would otherwise make afresh (`interceptor.WidenCache.note`)."""
     if bound is None or not flat.numel():
-        return _nearest(flat, policy, out), None, None, None
+        r, widened = nearest(flat, policy, out, widen_back)
+        return r, None, None, None, widened
     if _fused_serves(flat, policy) and (out is None or out.is_contiguous()):
         spec = _flat_bound(y, bound)
         r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
                                                     device=flat.device)
-        cand, ev, yv = torch.ops.ovt.round_band(flat.contiguous(), r, spec.mode, spec.m,
-                                                spec.col, spec.add, spec.inner, spec.rows,
-                                                spec.scale, spec.floor, spec.weight)
+        widen_back = widen_back and flat.is_contiguous()  # (else `contiguous` copies it)
+        cand, ev, yv, widened = torch.ops.ovt.round_band(
+            flat.contiguous(), r, spec.mode, spec.m, spec.col, spec.add, spec.inner, spec.rows,
+            spec.scale, spec.floor, spec.weight, widen_back)
         if not cand.numel():
-            return r, None, None, None
-        return r, cand, ev, yv
+            return r, None, None, None, widened
+        return r, cand, ev, yv, widened
     e = dense_bounds([y], [bound])
     assert e is not None
     cand = band_candidates(flat, e, policy)
     if not cand.numel():
-        return _nearest(flat, policy, out), None, None, None
-    return _nearest(flat, policy, out), cand, e[cand].to(torch.float64), flat[cand]
+        return nearest(flat, policy, out)[0], None, None, None, False
+    return nearest(flat, policy, out)[0], cand, e[cand].to(torch.float64), flat[cand], False
 
 
-def _nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None
-             ) -> torch.Tensor:
-    """`flat` rounded to nearest-even in the target dtype, into `out` where it is given (a
-    cast by `copy_` rounds as `to` does)."""
-    return flat.to(policy.target) if out is None else out.copy_(flat)
+def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None = None,
+            widen_back: bool = False) -> tuple[torch.Tensor, bool]:
+    """(`flat` rounded to nearest-even in the target dtype, widened): the rounding written to
+    `out` where it is given (a cast by `copy_` rounds as `to` does); `widen_back` as in
+    `round_band`, done by the fused pass (`torch.ops.ovt.nearest`) where it serves."""
+    if widen_back and flat.is_contiguous() and _fused_serves(flat, policy) and \
+            (out is None or out.is_contiguous()):
+        r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
+                                                    device=flat.device)
+        torch.ops.ovt.nearest(flat, r, True)
+        return r, True
+    return (flat.to(policy.target) if out is None else out.copy_(flat)), False
 
 
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,

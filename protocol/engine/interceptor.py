@@ -58,43 +58,72 @@ def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ob
 
 
 class WidenCache:
-    """Compute-dtype copies of the target tensors already widened during one step.
+    """Compute-dtype copies of target-dtype memory already widened during one step.
 
-    The backward pass reads the weights and activations the forward pass read, so widening
-    everything afresh repeats ~45% of all widening traffic. An entry is keyed by the tensor's
-    memory and geometry and checked against its version counter; and since a write through an
-    alias with its own counter (`p.data.mul_(...)`) bumps no counter the entry sees, every write
-    the interceptor executes also drops the entries of the storage written (`forget`). An entry
-    holds its source tensor, so that memory cannot be freed and handed to another tensor while
-    the entry lives. Entries stop being added once `budget_bytes` are held.
+    The backward pass reads the weights and activations the forward pass read, and an op often
+    reads another view (a transpose, a reshape, a slice) of what an earlier op made or read, so
+    widening every argument afresh repeats most of the widening traffic. An entry is a widened
+    span of one storage's elements, from which any view of that storage lying inside the span is
+    served as a view (`as_strided`), checked against the version counter of the tensor it was
+    made from (which views share). Since a write through an alias with its own counter
+    (`p.data.mul_(...)`) bumps no counter the entry sees, every write the interceptor executes
+    also drops the entries of the storage written (`forget`). An entry holds a tensor of its
+    storage, so that memory cannot be freed and handed to another tensor while the entry lives.
+    Entries are made two ways: `widen`, from a view whose span holds at most twice its elements
+    (a sparser one is widened alone, and not kept); and `note`, a site's result that the rounder
+    overwrote with its rounding (`round_result_in_place`), so that no copy is made at all.
+    Entries stop being added once `budget_bytes` are held.
     """
 
     def __init__(self, compute: torch.dtype, budget_bytes: int = 512 * 2**20) -> None:
         self.compute, self.budget, self.held = compute, budget_bytes, 0
-        self.entries: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self.by_storage: dict[tuple, list[tuple]] = {}
+        # per storage (`_storage_key`): (holder, its version, first element, wide span)
+        self.entries: dict[tuple, list[tuple[torch.Tensor, int, int, torch.Tensor]]] = {}
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.data_ptr(), t.shape, t.stride(), t.device)
-        hit = self.entries.get(key)
-        if hit is not None and hit[1] == t._version:
-            return hit[2]
-        wide = t.to(self.compute)
-        size = wide.numel() * wide.element_size()
+        """`t.to(self.compute)`, as a view of a cached span where one covers `t`."""
+        first = int(t.storage_offset())
+        last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        key = _storage_key(t)
+        version = t._version
+        spans = self.entries.get(key, [])
+        for _, seen, start, wide in spans:
+            if start <= first and last < start + wide.numel() and seen == version:
+                return wide.as_strided(t.shape, t.stride(), wide.storage_offset() + first - start)
+        span = last - first + 1
+        if not t.numel() or key[0] == 0 or span > 2 * t.numel():
+            return t.to(self.compute)
+        current = [entry for entry in spans if entry[1] == version]
+        if len(current) < len(spans):  # the others were made before a write: of no use
+            self.held -= sum(_bytes(e[3]) for e in spans) - sum(_bytes(e[3]) for e in current)
+            self.entries[key] = current
+        holder = t.as_strided((span,), (1,), first)
+        wide = holder.to(self.compute)
+        self._add(key, holder, version, first, wide)
+        return wide.as_strided(t.shape, t.stride(), 0)
+
+    def note(self, r: torch.Tensor, wide: torch.Tensor) -> None:
+        """Take `wide`, a contiguous compute-dtype tensor equal to `r.to(self.compute)`, as the
+        widened copy of `r`'s memory: `r` contiguous, `wide` nobody else's."""
+        self._add(_storage_key(r), r, r._version, int(r.storage_offset()), wide.view(-1))
+
+    def _add(self, key: tuple, holder: torch.Tensor, version: int, first: int,
+             wide: torch.Tensor) -> None:
+        size = _bytes(wide)
         if self.held + size <= self.budget:
-            self.entries[key] = (t, t._version, wide)
-            self.by_storage.setdefault(_storage_key(t), []).append(key)
+            self.entries.setdefault(key, []).append((holder, version, first, wide))
             self.held += size
-        return wide
 
     def forget(self, written) -> None:
         """Drop every entry over the storage of `written` (a tensor or a list of them)."""
         for t in written if isinstance(written, (list, tuple)) else (written,):
             if isinstance(t, torch.Tensor):
-                for key in self.by_storage.pop(_storage_key(t), ()):
-                    entry = self.entries.pop(key, None)
-                    if entry is not None:
-                        self.held -= entry[2].numel() * entry[2].element_size()
+                for entry in self.entries.pop(_storage_key(t), ()):
+                    self.held -= _bytes(entry[3])
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _copy_of(ids: set[int]):
@@ -527,8 +556,9 @@ class RoundingMode(TorchDispatchMode):
         `keep_compute`: the op had no target-dtype input, so its outputs go back in the compute
         dtype (rounded all the same: exact target values, widened)."""
         if not writes and isinstance(out, torch.Tensor) and out.dtype == self.policy.compute:
-            (r,) = self._round_site(func, rule, inputs, [out])  # the common case: one result
-            return r.to(self.policy.compute) if keep_compute else r
+            if keep_compute:  # (its rounding goes back widened, a new tensor: nothing to note)
+                return self._round_site(func, rule, inputs, [out])[0].to(self.policy.compute)
+            return self._round_result(func, rule, inputs, out)  # the common case: one result
         write_of = {id(wide): orig for orig, wide in writes}
         spec: TreeSpec | None = None  # (a multi-output op's tensors or Nones need no pytree)
         if type(out) in (tuple, list) and all(v is None or isinstance(v, torch.Tensor)
@@ -559,6 +589,25 @@ class RoundingMode(TorchDispatchMode):
         if spec is None:
             return type(out)(results)
         return tree_unflatten(results, spec)
+
+    def _round_result(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
+                      y: torch.Tensor) -> torch.Tensor:
+        """One site of one result `y`. Where `y` is the op's own — a fresh contiguous tensor,
+        neither a view nor one of its inputs — and the rounder takes it in place
+        (`rounds_in_place`, looked up on its class as `rounds_in_parts` is), the rounder may
+        overwrite `y` with its rounding widened; `y` is then noted as the rounding's
+        compute-dtype copy (`WidenCache.note`), so that the ops reading the rounding next
+        widen nothing."""
+        if not (getattr(type(self.rounder), "rounds_in_place", False) and y._base is None
+                and y.is_contiguous()
+                and not any(v is y for v in (*inputs[0], *inputs[1].values()))):
+            return self._round_site(func, rule, inputs, [y])[0]
+        bound = None if rule is None else \
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y])[0]
+        r, widened = self.rounder.round_result_in_place(_plan_of(func).name, y, bound)
+        if widened:
+            self._widened.note(r, y)
+        return r
 
     def _round_site(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
-from protocol.engine.bandpass import apply_entries, bounds_at, round_band
+from protocol.engine.bandpass import apply_entries, bounds_at, nearest, round_band
 from protocol.engine.bounds import SAFETY, Bound, dense_bound
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -106,22 +106,28 @@ def _shaped(r_flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return part
 
 
-class _RoundsInParts:
-    """`rounds_in_parts`: whether `RoundingMode` may hand a rounder its large elementwise sites
-    in parts (`round_site_in_parts`) instead of whole to `round_site`. A subclass that
-    overrides `round_site` (to see every site's values, as a probe does) but neither
-    `round_site_in_parts` nor this flag would miss those sites: it gets False."""
+class _RoundingPaths:
+    """The interceptor's ways into a rounder besides `round_site`, each with a flag saying the
+    rounder takes it: `rounds_in_parts`, large elementwise sites handed in parts
+    (`round_site_in_parts`); `rounds_in_place`, a site of one result that the caller owns
+    handed to `round_result_in_place`, which may leave its rounding, widened, in that result.
+    A subclass that overrides `round_site` (to see every site's values, as a probe does) but
+    neither a path's method nor its flag would miss the sites taken that way: it gets False."""
 
     rounds_in_parts = True
+    rounds_in_place = True
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if "round_site" in vars(cls) and \
-                not {"round_site_in_parts", "rounds_in_parts"} & vars(cls).keys():
-            cls.rounds_in_parts = False
+        own = vars(cls).keys()
+        if "round_site" in own:
+            if not {"round_site_in_parts", "rounds_in_parts"} & own:
+                cls.rounds_in_parts = False
+            if not {"round_result_in_place", "rounds_in_place"} & own:
+                cls.rounds_in_place = False
 
 
-class SiteRecorder(_RoundsInParts):
+class SiteRecorder(_RoundingPaths):
     """Record mode: round every site to nearest-even and log the in-band decisions.
 
     Each of a site's tensors gets its own band pass (`bandpass.round_band`), with no copy of
@@ -148,7 +154,7 @@ class SiteRecorder(_RoundsInParts):
         out, offset, site = [], 0, len(self._numels)
         found: list[_Candidates] = []
         for y, b in zip(ys, bounds, strict=True):
-            out.append(_shaped(self._round_part(site, offset, y, b, found), y))
+            out.append(_shaped(self._round_part(site, offset, y, b, found)[0], y))
             offset += y.numel()
         self._candidates.extend(found)  # (only once the whole site has been rounded)
         self._numels.append(offset)
@@ -171,15 +177,29 @@ class SiteRecorder(_RoundsInParts):
         self._candidates.extend(found)
         self._numels.append(offset)
 
+    def round_result_in_place(self, op: str, y: torch.Tensor, bound: Bound
+                              ) -> tuple[torch.Tensor, bool]:
+        """`round_site(op, [y], [bound])`, the one result's rounding and whether `y` — which
+        the caller owns: nothing else may read its memory — now holds that rounding widened
+        (`bandpass.round_band`'s `widen_back`: where the fused pass serves a contiguous `y`)."""
+        found: list[_Candidates] = []
+        r, widened = self._round_part(len(self._numels), 0, y, bound, found,
+                                      widen_back=y.is_contiguous())
+        self._candidates.extend(found)
+        self._numels.append(y.numel())
+        return _shaped(r, y), widened
+
     def _round_part(self, site: int, offset: int, y: torch.Tensor, b: Bound,
-                    found: list[_Candidates], out: torch.Tensor | None = None) -> torch.Tensor:
+                    found: list[_Candidates], out: torch.Tensor | None = None,
+                    widen_back: bool = False) -> tuple[torch.Tensor, bool]:
         """`y` (the site's elements from `offset`) rounded to nearest-even, flat (written to
-        `out` where it is given: `round_band`); its band candidates noted in `found`."""
+        `out` where it is given), and whether `y` was overwritten with it, widened
+        (`round_band`); its band candidates noted in `found`."""
         flat = y.reshape(-1)
-        r, cand, ev, yv = round_band(flat, y, b, self.policy, out)
+        r, cand, ev, yv, widened = round_band(flat, y, b, self.policy, out, widen_back)
         if cand is not None and ev is not None and yv is not None:
             found.append((site, cand + offset if offset else cand, yv, ev))
-        return r
+        return r, widened
 
     def claim_exact_site(self, op: str, numel: int) -> bool:
         """Take the next site as one of `numel` elements with `e = 0` that the caller rounds to
@@ -235,7 +255,7 @@ class SiteRecorder(_RoundsInParts):
                                SiteLog(self._numels[k], _EMPTY_INDEX, _EMPTY_UP))
 
 
-class SiteReplayer(_RoundsInParts):
+class SiteReplayer(_RoundingPaths):
     """Replay mode: round to nearest-even except where the log says otherwise (SPEC §3.2).
 
     Checks, per site, that the log has a site here with the same element count (SPEC §3.3),
@@ -290,6 +310,20 @@ class SiteReplayer(_RoundsInParts):
             out.append(_shaped(r, y))
             offset += y.numel()
         return out
+
+    def round_result_in_place(self, op: str, y: torch.Tensor, bound: Bound
+                              ) -> tuple[torch.Tensor, bool]:
+        """`round_site(op, [y], [bound])`, and whether `y` — which the caller owns — now holds
+        its rounding widened (`SiteRecorder.round_result_in_place`): where the site has no
+        entries (most) and the fused pass serves a contiguous `y`."""
+        site = self._next_site(op, y.numel())
+        if not (site.indices.size or site.value_indices.size):
+            r, widened = nearest(y.reshape(-1), self.policy, widen_back=y.is_contiguous())
+            return _shaped(r, y), widened
+        r, bad_value = self._replay_part(op, site, 0, y, bound, check_values=True)
+        if bad_value is not None:
+            raise bad_value
+        return _shaped(r, y), False
 
     def round_site_in_parts(self, op: str, numel: int,
                             results: Iterable[Iterable[Part]]) -> None:

@@ -6,7 +6,10 @@
 //   the flat indices that may lie in the band, and their bounds and values,
 //   with each element's bound e = scale·base + floor computed on the way
 //   (protocol/engine/bounds.py, `Affine`), as
-//   `precision.band_candidates` on `Affine.dense` does it, operation for operation;
+//   `precision.band_candidates` on `Affine.dense` does it, operation for operation; and, asked
+//   to (`widen_back`), the site's values overwritten with their roundings widened, so that
+//   they serve as the compute-dtype copy of the result (interceptor.py `WidenCache.note`);
+// - nearest, the same rounding and write-back for a result whose bounds are not read;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
 //   `_apply_directions` and `_apply_values` do it with torch ops;
@@ -525,10 +528,31 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> round_band(
+// Whether the n doubles at p overlap the bytes of `t` (an optional bound factor).
+bool overlaps(const double* p, int64_t n, const double* t, int64_t t_n) {
+  return t != nullptr && p < t + t_n && t < p + n;
+}
+
+// r[begin:end) = y[begin:end) rounded to nearest-even (a C++ cast, as torch's `to`).
+OVT_CLONES
+void narrow_range(const double* y, float* r, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) r[i] = static_cast<float>(y[i]);
+}
+
+// Writes y[begin:end) = r[begin:end) widened (`widen_back`: y then holds its own rounding, the
+// compute-dtype copy a later op reads, so that none is made afresh).
+OVT_CLONES
+void widen_range(double* y, const float* r, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) y[i] = static_cast<double>(r[i]);
+}
+
+// With `widen_back`, y is overwritten, chunk by chunk once the chunk's candidates are taken,
+// with r widened, unless a bound factor lies in y's memory (then y is left as it is); the last
+// result says whether it was.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
     const at::Tensor& y, const at::Tensor& r, int64_t mode, const c10::optional<at::Tensor>& m,
     const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
-    int64_t rows, double scale, double floor, double weight) {
+    int64_t rows, double scale, double floor, double weight, bool widen_back) {
   TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
                   y.device().is_cpu(),
               "round_band: y must be a 1-D contiguous float64 CPU tensor");
@@ -538,30 +562,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> round_band(
               "round_band: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
   const Spec s =
       make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, "round_band");
-  const double* yp = y.data_ptr<double>();
+  double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
+  const bool widen =
+      widen_back && !overlaps(yp, n, s.m, m.has_value() ? m->numel() : 0) &&
+      !overlaps(yp, n, s.col, col.has_value() ? col->numel() : 0) &&
+      !overlaps(yp, n, s.add, add.has_value() ? add->numel() : 0);
   const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
+  // per chunk: its candidates, then their bounds and values (read before y is widened back)
   std::vector<std::vector<int64_t>> found(static_cast<size_t>(chunks));
+  std::vector<std::vector<double>> found_bounds(static_cast<size_t>(chunks));
+  std::vector<std::vector<double>> found_values(static_cast<size_t>(chunks));
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
-      scan(s, yp, rp, c * kGrain, std::min(n, (c + 1) * kGrain), found[static_cast<size_t>(c)]);
+      const auto k = static_cast<size_t>(c);
+      const int64_t begin = c * kGrain, end = std::min(n, (c + 1) * kGrain);
+      scan(s, yp, rp, begin, end, found[k]);
+      for (const int64_t i : found[k]) {
+        found_bounds[k].push_back(bound_at(s, yp, i));
+        found_values[k].push_back(yp[i]);
+      }
+      if (widen) widen_range(yp, rp, begin, end);
     }
   });
   size_t total = 0;
   for (const auto& f : found) total += f.size();
-  at::Tensor candidates = at::empty({static_cast<int64_t>(total)}, y.options().dtype(at::kLong));
-  int64_t* out = candidates.data_ptr<int64_t>();
-  for (const auto& f : found) out = std::copy(f.begin(), f.end(), out);
-  at::Tensor bounds = at::empty({static_cast<int64_t>(total)}, y.options());
-  at::Tensor values = at::empty({static_cast<int64_t>(total)}, y.options());
-  const int64_t* cp = candidates.data_ptr<int64_t>();
+  const auto count = static_cast<int64_t>(total);
+  at::Tensor candidates = at::empty({count}, y.options().dtype(at::kLong));
+  at::Tensor bounds = at::empty({count}, y.options());
+  at::Tensor values = at::empty({count}, y.options());
+  int64_t* cp = candidates.data_ptr<int64_t>();
   double* bp = bounds.data_ptr<double>();
   double* vp = values.data_ptr<double>();
-  for (size_t k = 0; k < total; ++k) {
-    bp[k] = bound_at(s, yp, cp[k]);
-    vp[k] = yp[cp[k]];
+  for (size_t k = 0; k < found.size(); ++k) {
+    cp = std::copy(found[k].begin(), found[k].end(), cp);
+    bp = std::copy(found_bounds[k].begin(), found_bounds[k].end(), bp);
+    vp = std::copy(found_values[k].begin(), found_values[k].end(), vp);
   }
-  return {candidates, bounds, values};
+  return {candidates, bounds, values, widen};
+}
+
+// y rounded to nearest-even into r (a cast, as `to` does) and, with `widen_back`, y overwritten
+// with r widened, chunk by chunk while it is in the cache: the band pass's `widen_back` for a
+// result with e = 0, or whose bounds are not read (a replayed site without entries).
+void nearest(const at::Tensor& y, const at::Tensor& r, bool widen_back) {
+  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
+                  y.device().is_cpu(),
+              "nearest: y must be a 1-D contiguous float64 CPU tensor");
+  const int64_t n = y.numel();
+  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
+                  r.device().is_cpu() && r.numel() == n,
+              "nearest: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
+  double* yp = y.data_ptr<double>();
+  float* rp = r.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += kGrain) {
+      const int64_t e = std::min(end, b + kGrain);
+      narrow_range(yp, rp, b, e);
+      if (widen_back) widen_range(yp, rp, b, e);
+    }
+  });
 }
 
 // float32's ULP just above |r| (precision.py `target_ulp`): 2**E of r's binade, the subnormal
@@ -1272,8 +1332,10 @@ void philox(uint32_t key0, uint32_t key1, uint64_t first_block, int64_t blocks, 
 
 TORCH_LIBRARY(ovt, lib) {
   lib.def(
-      "round_band(Tensor y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
-      "int inner, int rows, float scale, float floor, float weight) -> (Tensor, Tensor, Tensor)");
+      "round_band(Tensor(b!) y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
+      "int inner, int rows, float scale, float floor, float weight, bool widen_back) "
+      "-> (Tensor, Tensor, Tensor, bool)");
+  lib.def("nearest(Tensor(b!) y, Tensor(a!) r, bool widen_back) -> ()");
   lib.def(
       "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> (Tensor, bool)");
@@ -1308,6 +1370,7 @@ TORCH_LIBRARY(ovt, lib) {
 
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
+  lib.impl("nearest", &nearest);
   lib.impl("pointwise", &pointwise);
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);

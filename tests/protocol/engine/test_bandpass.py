@@ -19,7 +19,7 @@ import torch
 from protocol.codec.roundinglog import encode_log
 from protocol.codec.state import state_digest
 from protocol.engine import bandpass, fused
-from protocol.engine.bandpass import bounds_at, dense_bounds, round_band
+from protocol.engine.bandpass import bounds_at, dense_bounds, nearest, round_band
 from protocol.engine.bounds import Affine, Bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy, band_candidates, target_ulp
@@ -110,10 +110,10 @@ def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
 def band(flat, y, bound, policy=POLICY):
     """`round_band`, with "no candidate" as an empty index tensor; the values it gives at the
     candidates are checked to be `flat`'s."""
-    r, cand, e, values = round_band(flat, y, bound, policy)
+    r, cand, e, values, _ = round_band(flat, y, bound, policy)
     assert (cand is None) == (e is None) == (values is None)
     if cand is not None:
-        assert torch.equal(values.view(torch.int64), flat[cand].view(torch.int64))
+        assert torch.equal(values.view(torch.uint8), flat[cand].view(torch.uint8))  # (bits)
     return r, torch.zeros(0, dtype=torch.int64) if cand is None else cand, e
 
 
@@ -146,10 +146,10 @@ def test_a_given_destination_gets_the_bits_of_a_new_one(seed, passes, monkeypatc
     monkeypatch.setattr(fused, "ENABLED", passes == "fused" and fused.ENABLED)
     for name, y, bound in sites(seed):
         flat = y.reshape(-1)
-        r, cand, e, values = round_band(flat, y, bound, POLICY)
+        r, cand, e, values, _ = round_band(flat, y, bound, POLICY)
         for out in (torch.full((flat.numel(),), math.nan, dtype=torch.float32),
                     torch.full((2 * flat.numel(),), math.nan, dtype=torch.float32)[::2]):
-            r2, cand2, e2, values2 = round_band(flat, y, bound, POLICY, out)
+            r2, cand2, e2, values2, _ = round_band(flat, y, bound, POLICY, out)
             assert r2 is out, name
             assert torch.equal(out.view(torch.int32), r.view(torch.int32)), name
             assert (cand is None) == (cand2 is None), name
@@ -157,6 +157,60 @@ def test_a_given_destination_gets_the_bits_of_a_new_one(seed, passes, monkeypatc
                 assert torch.equal(cand, cand2), name
                 assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
                 assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("passes", ["fused", "torch"])
+def test_widening_back_changes_nothing_but_the_values_given(seed, passes, monkeypatch):
+    """`widen_back` (the interceptor's `round_result_in_place`): the same rounding, candidates,
+    bounds and values as without it, read before the values are overwritten; where it says it
+    widened (the fused pass, every contiguous site), the values hold exactly the rounding
+    widened, and where it says not (the torch ops), they are untouched."""
+    monkeypatch.setattr(fused, "ENABLED", passes == "fused" and fused.ENABLED)
+    for name, y, bound in sites(seed):
+        r, cand, e, values, widened = round_band(y.reshape(-1), y, bound, POLICY)
+        assert not widened, name
+        mine = y.contiguous().clone()
+        r2, cand2, e2, values2, widened = round_band(mine.view(-1), mine, bound, POLICY,
+                                                     widen_back=True)
+        assert widened == fused.ENABLED, name
+        assert torch.equal(r2.view(torch.int32), r.view(torch.int32)), name
+        assert (cand is None) == (cand2 is None), name
+        if cand is not None:
+            assert torch.equal(cand, cand2), name
+            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+            assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+        expected = r.to(F64).view(y.shape) if widened else y
+        assert torch.equal(mine.view(torch.int64), expected.view(torch.int64)), name
+        mine = y.contiguous().clone()
+        r3, widened = nearest(mine.view(-1), POLICY, widen_back=True)
+        assert widened == fused.ENABLED, name  # (an empty site too: nothing to write)
+        assert torch.equal(r3.view(torch.int32), y.reshape(-1).to(torch.float32)
+                           .view(torch.int32)), name
+        expected = r3.to(F64).view(y.shape) if widened else y
+        assert torch.equal(mine.view(torch.int64), expected.view(torch.int64)), name
+
+
+@needs_fused
+def test_values_are_not_widened_back_over_their_own_bound_factors():
+    """A bound whose factors lie in the values' own memory would be read after it was
+    overwritten: the pass then leaves the values as they are, says so, and gives what it gives
+    without `widen_back`."""
+    y = torch.tensor([1.0 + 2.0**-24 + 2.0**-45, 3.0 + 2.0**-23 + 2.0**-44, -2.5 + 2.0**-27,
+                      7.0 + 2.0**-22 - 2.0**-43], dtype=F64)  # three within 2e of a midpoint
+
+    def bounds_over(t):
+        return [Affine(2.0**-40, 0.0, t, t[:1]),           # rows over t, columns over t[0]
+                Affine(2.0**-40, 0.0, other=t, weight=1.0)]  # |y| + |t|
+
+    for k in range(2):
+        ref, mine = y.clone(), y.clone()
+        expected = round_band(ref.view(-1), ref, bounds_over(ref)[k], POLICY)
+        got = round_band(mine.view(-1), mine, bounds_over(mine)[k], POLICY, widen_back=True)
+        assert not got[4], k
+        assert torch.equal(mine.view(torch.int64), y.view(torch.int64)), k
+        assert torch.equal(got[0].view(torch.int32), expected[0].view(torch.int32)), k
+        assert expected[1] is not None and torch.equal(got[1], expected[1]), k
 
 
 @needs_fused

@@ -225,8 +225,9 @@ def test_small_broadcast_and_probed_sites_stay_whole(monkeypatch):
 
 def test_a_rounder_that_overrides_round_site_alone_gets_every_site_whole():
     """A subclass of the recorder or replayer that overrides `round_site` (to see the values)
-    but not `round_site_in_parts` would miss the sites rounded in parts: it gets
-    `rounds_in_parts = False`, unless it says otherwise."""
+    but not `round_site_in_parts` (`round_result_in_place`) would miss the sites rounded in
+    parts (in place): it gets `rounds_in_parts` (`rounds_in_place`) False, unless it says
+    otherwise."""
     class Seeing(SiteReplayer):
         def round_site(self, op, ys, bounds):
             return super().round_site(op, ys, bounds)
@@ -238,14 +239,19 @@ def test_a_rounder_that_overrides_round_site_alone_gets_every_site_whole():
         def round_site_in_parts(self, op, numel, results):
             return super().round_site_in_parts(op, numel, results)
 
+        def round_result_in_place(self, op, y, bound):
+            return super().round_result_in_place(op, y, bound)
+
     class Told(Seeing):
         rounds_in_parts = True
+        rounds_in_place = True
 
-    assert not Seeing.rounds_in_parts and Both.rounds_in_parts and Told.rounds_in_parts
-    assert SiteRecorder.rounds_in_parts and SiteReplayer.rounds_in_parts
-    assert not divergence.CapturingRecorder.rounds_in_parts
-    assert not divergence.ComparingReplayer.rounds_in_parts
-    assert program_cli._TallyingRecorder.rounds_in_parts
+    for flag in ("rounds_in_parts", "rounds_in_place"):
+        assert not getattr(Seeing, flag) and getattr(Both, flag) and getattr(Told, flag), flag
+        assert getattr(SiteRecorder, flag) and getattr(SiteReplayer, flag), flag
+        assert not getattr(divergence.CapturingRecorder, flag), flag
+        assert not getattr(divergence.ComparingReplayer, flag), flag
+        assert getattr(program_cli._TallyingRecorder, flag), flag
 
 
 def test_the_program_check_tally_counts_sites_rounded_in_parts(monkeypatch):

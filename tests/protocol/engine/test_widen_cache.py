@@ -1,0 +1,158 @@
+"""The interceptor's widening cache (`interceptor.WidenCache`) and the results the rounder
+overwrites with their roundings (`round_result_in_place`, issue 13): whatever a view, a write
+or a reuse of memory does, what an op reads is exactly its target-dtype argument widened."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.engine import fused
+from protocol.engine.interceptor import RoundingMode, WidenCache
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.rounding import SiteRecorder, SiteReplayer
+
+POLICY = PrecisionPolicy()
+F64 = torch.float64
+needs_fused = pytest.mark.skipif(not fused.ENABLED, reason="the fused passes are not built")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int64 if t.dtype == F64 else torch.int32)
+
+
+def assert_widened(cache: WidenCache, t: torch.Tensor) -> torch.Tensor:
+    wide = cache.widen(t)
+    assert wide.dtype == F64 and wide.shape == t.shape
+    assert torch.equal(bits(wide), bits(t.to(F64)))
+    return wide
+
+
+def odd_values(*shape: int) -> torch.Tensor:
+    """float32 values of every magnitude and sign, with a NaN, infinities and subnormals."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-140, 120, shape,
+                                                                    generator=g).float())
+    flat = x.view(-1)
+    flat[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-42])
+    return x
+
+
+def test_every_view_of_a_widened_storage_reads_its_own_elements():
+    """Transposes, slices, reshapes, broadcasts (stride 0) and offsets of one storage, in any
+    order: each widened exactly, the later ones from the span the first made."""
+    x = odd_values(6, 8)
+    cache = WidenCache(F64)
+    views = [x, x.t(), x[1:4], x[:, 2:], x[2:5, 1:7].t(), x.view(3, 16), x[3],
+             x[0].expand(5, 8), x.view(-1)[5:40], x.unsqueeze(0).expand(2, 6, 8)]
+    for v in views:
+        assert_widened(cache, v)
+    assert sum(len(spans) for spans in cache.entries.values()) == 1  # all from x's span
+
+
+def test_a_sparse_view_is_widened_alone_and_not_kept():
+    x = odd_values(40, 40)
+    cache = WidenCache(F64)
+    assert_widened(cache, x[:, 3])  # 40 elements over a span of 1,561
+    assert not cache.entries and cache.held == 0
+    assert_widened(cache, x[7:9])  # a dense slice is kept, its span only
+    assert cache.held == 80 * 8
+
+
+def test_two_spans_of_one_storage_live_side_by_side():
+    x = odd_values(100)
+    cache = WidenCache(F64)
+    a, b = assert_widened(cache, x[0:10]), assert_widened(cache, x[50:70])
+    assert len(cache.entries[next(iter(cache.entries))]) == 2
+    assert cache.widen(x[2:8]).data_ptr() == a.data_ptr() + 2 * 8  # served from a's span
+    assert cache.widen(x[60:61]).data_ptr() == b.data_ptr() + 10 * 8
+
+
+def test_a_write_is_seen_through_every_view():
+    """A write through any view bumps the version the views share; a write through an alias
+    with its own counter (`.data`) is dropped by the interceptor's `forget`; a stale span is
+    dropped when a newer one is made."""
+    x = odd_values(6, 8)
+    cache = WidenCache(F64)
+    assert_widened(cache, x.t())
+    x[2].add_(1.0)
+    assert_widened(cache, x[1:4])
+    assert_widened(cache, x.t())
+    x.data[0, 0] = 12345.0  # no counter the entries know of: the interceptor forgets it
+    cache.forget(x.data)
+    assert not cache.entries and cache.held == 0
+    assert_widened(cache, x)
+    x.mul_(2.0)
+    assert_widened(cache, x)
+    assert len(next(iter(cache.entries.values()))) == 1 and cache.held == 48 * 8
+
+
+def test_the_budget_caps_what_is_kept():
+    cache = WidenCache(F64, budget_bytes=100 * 8)
+    a, b = odd_values(60), odd_values(60)
+    assert_widened(cache, a)
+    assert_widened(cache, b)  # over the budget: widened, not kept
+    assert cache.held == 60 * 8 and len(cache.entries) == 1
+
+
+def test_a_span_holds_its_memory_so_no_other_tensor_inherits_it():
+    """An entry keeps its storage alive: a tensor made after the widened one is gone cannot
+    land in the same memory and be served the dead tensor's values."""
+    cache = WidenCache(F64)
+    for k in range(50):
+        t = torch.full((256,), float(k))
+        assert_widened(cache, t)
+        del t
+
+
+def test_a_noted_result_serves_its_views():
+    cache = WidenCache(F64)
+    r = odd_values(5, 7)
+    wide = r.to(F64)
+    cache.note(r, wide)
+    got = assert_widened(cache, r.t())
+    assert got.data_ptr() == wide.data_ptr()  # no copy made
+    r.add_(1.0)
+    assert assert_widened(cache, r).data_ptr() != wide.data_ptr()
+
+
+class NotInPlace(SiteRecorder):
+    rounds_in_place = False
+
+
+@needs_fused
+@pytest.mark.parametrize("rounder", [SiteRecorder, NotInPlace])
+def test_a_result_rounded_in_place_is_read_back_as_its_rounding(rounder):
+    """A chain of ops reading the previous result through views: with the rounder writing the
+    rounding back (the recorder, then the replayer of its log) the same bits and the same log as
+    without, and the later reads served by the noted results."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 24, generator=g) / 5
+    x = torch.randn(16, 24, generator=g)
+
+    def chain():
+        h = torch.mm(x, w)
+        h = torch.mm(h.t().contiguous().t(), w.t())
+        h = torch.tanh(h.view(4, 96)).view(16, 24)
+        return torch.mm(h[:, :12].t(), h[:, 12:])
+
+    rec = rounder(POLICY)
+    mode = RoundingMode(POLICY, rec)
+    noted = []
+    note = mode._widened.note
+    mode._widened.note = lambda r, wide: noted.append(r) or note(r, wide)
+    with mode:
+        out = chain()
+    plain = SiteRecorder(POLICY)
+    with RoundingMode(POLICY, plain) as ref_mode:
+        ref_mode._widened.budget = 0  # nothing kept: every argument widened afresh
+        ref = chain()
+    assert torch.equal(bits(out), bits(ref))
+    assert [(s.numel, s.indices.tolist(), s.value_indices.tolist()) for s in rec.sites] == \
+        [(s.numel, s.indices.tolist(), s.value_indices.tolist()) for s in plain.sites]
+    assert len(noted) == (4 if rounder is SiteRecorder else 0)  # (every site of one result)
+    rep = SiteReplayer(POLICY, rec.log())
+    with RoundingMode(POLICY, rep):
+        again = chain()
+    rep.finish()
+    assert torch.equal(bits(again), bits(out))
