@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,69 +57,103 @@ def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ob
     return func(*args, **kwargs)
 
 
+class _Span(NamedTuple):
+    """A `WidenCache` entry: elements [first, first + len(wide)) of `storage` widened, made at
+    `version` of the tensor they came from; `size` the bytes it counts against the budget."""
+
+    storage: torch.UntypedStorage  # held: its memory is not freed and handed on while cached
+    version: int
+    first: int
+    wide: torch.Tensor
+    size: int
+
+    def serves(self, key: tuple, version: int) -> bool:
+        """Whether the span still holds what it was made from, as far as the cache can see:
+        the same version, and the storage's memory where it was (`resize_` moves it)."""
+        return self.version == version and self.storage.data_ptr() == key[0]
+
+
 class WidenCache:
     """Compute-dtype copies of target-dtype memory already widened during one step.
 
     The backward pass reads the weights and activations the forward pass read, and an op often
     reads another view (a transpose, a reshape, a slice) of what an earlier op made or read, so
     widening every argument afresh repeats most of the widening traffic. An entry is a widened
-    span of one storage's elements, from which any view of that storage lying inside the span is
-    served as a view (`as_strided`), checked against the version counter of the tensor it was
-    made from (which views share). Since a write through an alias with its own counter
-    (`p.data.mul_(...)`) bumps no counter the entry sees, every write the interceptor executes
-    also drops the entries of the storage written (`forget`). An entry holds a tensor of its
-    storage, so that memory cannot be freed and handed to another tensor while the entry lives.
-    Entries are made two ways: `widen`, from a view whose span holds at most twice its elements
-    (a sparser one is widened alone, and not kept); and `note`, a site's result that the rounder
+    span of one storage's elements (`_Span`), from which any view of that storage lying inside
+    the span is served as a view (`as_strided`), checked against the version counter of the
+    tensor it was made from (which views share) and against its storage's memory having stayed
+    where it was. A write the program makes bumps that counter; a write the interceptor itself
+    executes bumps none (inside a dispatch mode no in-place op does), and neither does one
+    through an alias with its own counter (`p.data.mul_(...)`), so every write the interceptor
+    executes drops the entries of the storage written (`forget`). An entry holds its storage,
+    so that memory cannot be freed and handed to another tensor while the entry lives. Entries
+    are made two ways: `widen`, from a view whose span holds at most twice its elements (a
+    sparser one is widened alone, and not kept); and `note`, a site's result that the rounder
     overwrote with its rounding (`round_result_in_place`), so that no copy is made at all.
-    Entries stop being added once `budget_bytes` are held.
+    Entries stop being added once they hold `budget_bytes`: their wide spans, and a noted
+    result's own memory (which the entry keeps alive past the program's use of it).
     """
 
     def __init__(self, compute: torch.dtype, budget_bytes: int = 512 * 2**20) -> None:
         self.compute, self.budget, self.held = compute, budget_bytes, 0
-        # per storage (`_storage_key`): (holder, its version, first element, wide span)
-        self.entries: dict[tuple, list[tuple[torch.Tensor, int, int, torch.Tensor]]] = {}
+        self.entries: dict[tuple, list[_Span]] = {}  # per storage (`_storage_key`)
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """`t.to(self.compute)`, as a view of a cached span where one covers `t`."""
         first = int(t.storage_offset())
-        last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        if t.is_contiguous():
+            last = first + t.numel() - 1
+        else:
+            last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
         key = _storage_key(t)
         version = t._version
         spans = self.entries.get(key, [])
-        for _, seen, start, wide in spans:
-            if start <= first and last < start + wide.numel() and seen == version:
-                return wide.as_strided(t.shape, t.stride(), wide.storage_offset() + first - start)
-        span = last - first + 1
-        if not t.numel() or key[0] == 0 or span > 2 * t.numel():
+        for span in spans:
+            if span.first <= first and last < span.first + span.wide.numel() and \
+                    span.serves(key, version):
+                wide = span.wide
+                return wide.as_strided(t.shape, t.stride(),
+                                       wide.storage_offset() + first - span.first)
+        length = last - first + 1
+        if not t.numel() or key[0] == 0 or length > 2 * t.numel():
             return t.to(self.compute)
-        current = [entry for entry in spans if entry[1] == version]
-        if len(current) < len(spans):  # the others were made before a write: of no use
-            self.held -= sum(_bytes(e[3]) for e in spans) - sum(_bytes(e[3]) for e in current)
+        current = [span for span in spans if span.serves(key, version)]
+        if len(current) < len(spans):  # the others are of no use
+            self.held -= sum(span.size for span in spans) - sum(span.size for span in current)
             self.entries[key] = current
-        holder = t.as_strided((span,), (1,), first)
-        wide = holder.to(self.compute)
-        self._add(key, holder, version, first, wide)
+        wide = t.as_strided((length,), (1,), first).to(self.compute)
+        self._add(key, _Span(t.untyped_storage(), version, first, wide, _bytes(wide)))
         return wide.as_strided(t.shape, t.stride(), 0)
 
     def note(self, r: torch.Tensor, wide: torch.Tensor) -> None:
         """Take `wide`, a contiguous compute-dtype tensor equal to `r.to(self.compute)`, as the
-        widened copy of `r`'s memory: `r` contiguous, `wide` nobody else's."""
-        self._add(_storage_key(r), r, r._version, int(r.storage_offset()), wide.view(-1))
+        widened copy of `r`'s memory: `r` contiguous and not empty, `wide` nobody else's."""
+        self._add(_storage_key(r), _Span(r.untyped_storage(), r._version,
+                                         int(r.storage_offset()), wide.view(-1),
+                                         _bytes(wide) + _bytes(r)))
 
-    def _add(self, key: tuple, holder: torch.Tensor, version: int, first: int,
-             wide: torch.Tensor) -> None:
-        size = _bytes(wide)
-        if self.held + size <= self.budget:
-            self.entries.setdefault(key, []).append((holder, version, first, wide))
-            self.held += size
+    def _add(self, key: tuple, span: _Span) -> None:
+        if self.held + span.size <= self.budget:
+            self.entries.setdefault(key, []).append(span)
+            self.held += span.size
 
     def forget(self, written) -> None:
         """Drop every entry over the storage of `written` (a tensor or a list of them)."""
         for t in written if isinstance(written, (list, tuple)) else (written,):
             if isinstance(t, torch.Tensor):
-                for entry in self.entries.pop(_storage_key(t), ()):
-                    self.held -= _bytes(entry[3])
+                for span in self.entries.pop(_storage_key(t), ()):
+                    self.held -= span.size
+
+
+def _shares_storage(y: torch.Tensor, inputs: tuple[tuple, dict]) -> bool:
+    """Whether `y`'s memory is that of a tensor among an op's arguments (one level of lists,
+    as ATen's arguments nest)."""
+    key = _storage_key(y)
+    for value in (*inputs[0], *inputs[1].values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and _storage_key(t) == key:
+                return True
+    return False
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -309,7 +343,8 @@ class RoundingMode(TorchDispatchMode):
             writes[:] = [(orig, r) for (orig, _), r in zip(writes, results, strict=True)]
             if not func._schema.returns:  # a foreach op's in-place form returns nothing
                 out = None
-        rounded = self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute)
+        rounded = self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute,
+                                      unsigned_zero=unsigned_zero)
         if unsigned_zero:  # −0 + 0 = +0, every other value as it is (`Rule.unsigned_zero`)
             for leaf in tree_flatten(rounded)[0] + [orig for orig, _ in writes]:
                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
@@ -549,16 +584,18 @@ class RoundingMode(TorchDispatchMode):
         return value
 
     def _round_results(self, func, rule: Rule | None, inputs: tuple[tuple, dict], out,
-                       writes: list, keep_compute: bool = False):
+                       writes: list, keep_compute: bool = False, unsigned_zero: bool = False):
         """Round one site: the op's floating outputs, then the arguments it wrote, with the
         bounds of `rule` computed from `inputs` (None: e = 0, for a correctly rounded
         conversion, or for a rounder that reads no bounds here, `_bounds_needed`).
         `keep_compute`: the op had no target-dtype input, so its outputs go back in the compute
-        dtype (rounded all the same: exact target values, widened)."""
+        dtype (rounded all the same: exact target values, widened). `unsigned_zero`: the caller
+        turns the roundings' −0 into +0 (`Rule.unsigned_zero`), which a result's noted copy
+        must match (`_round_result`)."""
         if not writes and isinstance(out, torch.Tensor) and out.dtype == self.policy.compute:
             if keep_compute:  # (its rounding goes back widened, a new tensor: nothing to note)
                 return self._round_site(func, rule, inputs, [out])[0].to(self.policy.compute)
-            return self._round_result(func, rule, inputs, out)  # the common case: one result
+            return self._round_result(func, rule, inputs, out, unsigned_zero)  # the common case
         write_of = {id(wide): orig for orig, wide in writes}
         spec: TreeSpec | None = None  # (a multi-output op's tensors or Nones need no pytree)
         if type(out) in (tuple, list) and all(v is None or isinstance(v, torch.Tensor)
@@ -591,21 +628,25 @@ class RoundingMode(TorchDispatchMode):
         return tree_unflatten(results, spec)
 
     def _round_result(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
-                      y: torch.Tensor) -> torch.Tensor:
-        """One site of one result `y`. Where `y` is the op's own — a fresh contiguous tensor,
-        neither a view nor one of its inputs — and the rounder takes it in place
+                      y: torch.Tensor, unsigned_zero: bool) -> torch.Tensor:
+        """One site of one result `y`. Where `y` is the op's own — a contiguous tensor over
+        memory that none of the op's tensor arguments reads (a view's `_base` is not set inside
+        a dispatch mode, so the storages are compared) — and the rounder takes it in place
         (`rounds_in_place`, looked up on its class as `rounds_in_parts` is), the rounder may
         overwrite `y` with its rounding widened; `y` is then noted as the rounding's
         compute-dtype copy (`WidenCache.note`), so that the ops reading the rounding next
-        widen nothing."""
-        if not (getattr(type(self.rounder), "rounds_in_place", False) and y._base is None
-                and y.is_contiguous()
-                and not any(v is y for v in (*inputs[0], *inputs[1].values()))):
+        widen nothing. With `unsigned_zero` the caller adds +0 to the rounding (in place, which
+        inside the mode bumps no version counter), so `y` gets the same first: −0 + 0 = +0 in
+        either dtype, every other value (and the widening of each) as it is."""
+        if not (getattr(type(self.rounder), "rounds_in_place", False) and y.is_contiguous()
+                and y.numel() and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \
             bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y])[0]
         r, widened = self.rounder.round_result_in_place(_plan_of(func).name, y, bound)
         if widened:
+            if unsigned_zero:
+                y.add_(0.0)
             self._widened.note(r, y)
         return r
 
