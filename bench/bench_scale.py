@@ -90,12 +90,18 @@ class OldBandCounter:
         self.seconds = 0.0
 
     rounds_in_parts = True  # (the recorder it wraps does; `round_site_in_parts`)
+    rounds_in_place = True  # (and `round_result_in_place`)
 
     def round_site(self, op, ys, *rest):
         bounds = rest[0] if rest and isinstance(rest[0], (list, tuple)) else [None] * len(ys)
         for y, bound in zip(ys, bounds, strict=False):
             self._count(y, bound)
         return self.inner.round_site(op, ys, *rest)
+
+    def round_result_in_place(self, op, y, bound):
+        """A site of one result the recorder may overwrite with its rounding: counted first."""
+        self._count(y, bound)
+        return self.inner.round_result_in_place(op, y, bound)
 
     def round_site_in_parts(self, op, numel, results):
         """A large elementwise site in parts (`RoundingMode._in_parts`): each part counted as

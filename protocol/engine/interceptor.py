@@ -13,6 +13,11 @@ optimizer code run unmodified. For each FLOAT op (see `optable`) with a bound ru
    the rounder as one site, and returns target-dtype tensors (writing in place where the op was
    in place).
 
+Step 1 widens each storage's memory once a step where it can (`WidenCache`: the views an op
+reads of what an earlier op read are served from the same copy), and a lone result the op owns
+is rounded in place (`round_result_in_place`): its compute-dtype memory is left holding its
+rounding widened, which the ops reading that rounding then read instead of a fresh copy.
+
 The fixed formulas (addcmul, addcdiv, lerp with a scalar weight) run as `pointwise` computes
 them, never as ATen's kernels, with e = 0. An op with e = 0 whose operands the fused pointwise
 pass reads (`pointwise.fused_plan`) skips steps 1–4: if the rounder claims the site
@@ -132,8 +137,12 @@ class WidenCache:
                                          int(r.storage_offset()), wide.view(-1),
                                          _bytes(wide) + _bytes(r)))
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` would be kept."""
+        return self.held + nbytes <= self.budget
+
     def _add(self, key: tuple, span: _Span) -> None:
-        if self.held + span.size <= self.budget:
+        if self.fits(span.size):
             self.entries.setdefault(key, []).append(span)
             self.held += span.size
 
@@ -635,11 +644,14 @@ class RoundingMode(TorchDispatchMode):
         (`rounds_in_place`, looked up on its class as `rounds_in_parts` is), the rounder may
         overwrite `y` with its rounding widened; `y` is then noted as the rounding's
         compute-dtype copy (`WidenCache.note`), so that the ops reading the rounding next
-        widen nothing. With `unsigned_zero` the caller adds +0 to the rounding (in place, which
+        widen nothing (not once the cache is full: then the write would be for nothing).
+        With `unsigned_zero` the caller adds +0 to the rounding (in place, which
         inside the mode bumps no version counter), so `y` gets the same first: −0 + 0 = +0 in
         either dtype, every other value (and the widening of each) as it is."""
         if not (getattr(type(self.rounder), "rounds_in_place", False) and y.is_contiguous()
-                and y.numel() and not _shares_storage(y, inputs)):
+                and y.numel() and self._widened.fits(
+                    y.numel() * (y.element_size() + self.policy.target.itemsize))
+                and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \
             bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y])[0]

@@ -234,3 +234,23 @@ def test_a_result_over_an_arguments_memory_is_not_rounded_in_place():
     assert _shares_storage(a.t(), (([torch.ones(2), a[2:]],), {}))
     assert _shares_storage(a[0], ((), {"out": a}))
     assert not _shares_storage(a.clone(), ((a, [a]), {"other": a}))
+
+
+def test_nothing_is_rounded_in_place_once_the_cache_is_full():
+    """With no room to note a result, overwriting it would be a write for nothing: the site
+    goes to `round_site`."""
+    class Counting(SiteRecorder):
+        in_place = 0
+
+        def round_result_in_place(self, op, y, bound):
+            Counting.in_place += 1
+            return super().round_result_in_place(op, y, bound)
+
+    x = torch.randn(64, 64)
+    for budget, expected in ((512 * 2**20, 2), (64 * 64 * 12 - 1, 0)):
+        Counting.in_place = 0
+        mode = RoundingMode(POLICY, Counting(POLICY))
+        mode._widened.budget = budget
+        with mode:
+            torch.tanh(torch.exp(x))
+        assert Counting.in_place == expected, budget
