@@ -528,6 +528,19 @@ Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
   return s;
 }
 
+// The element count of a site's values `y` and their rounding `r`, checked to be 1-D
+// contiguous float64 and float32 CPU tensors of one length.
+int64_t site_length(const at::Tensor& y, const at::Tensor& r, const char* op) {
+  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
+                  y.device().is_cpu(),
+              op, ": y must be a 1-D contiguous float64 CPU tensor");
+  const int64_t n = y.numel();
+  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
+                  r.device().is_cpu() && r.numel() == n,
+              op, ": r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
+  return n;
+}
+
 // Whether the n doubles at p overlap the bytes of `t` (an optional bound factor).
 bool overlaps(const double* p, int64_t n, const double* t, int64_t t_n) {
   return t != nullptr && p < t + t_n && t < p + n;
@@ -553,13 +566,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
     const at::Tensor& y, const at::Tensor& r, int64_t mode, const c10::optional<at::Tensor>& m,
     const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
     int64_t rows, double scale, double floor, double weight, bool widen_back) {
-  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
-                  y.device().is_cpu(),
-              "round_band: y must be a 1-D contiguous float64 CPU tensor");
-  const int64_t n = y.numel();
-  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
-                  r.device().is_cpu() && r.numel() == n,
-              "round_band: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
+  const int64_t n = site_length(y, r, "round_band");
   const Spec s =
       make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, "round_band");
   double* yp = y.data_ptr<double>();
@@ -606,13 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
 // with r widened, chunk by chunk while it is in the cache: the band pass's `widen_back` for a
 // result with e = 0, or whose bounds are not read (a replayed site without entries).
 void nearest(const at::Tensor& y, const at::Tensor& r, bool widen_back) {
-  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
-                  y.device().is_cpu(),
-              "nearest: y must be a 1-D contiguous float64 CPU tensor");
-  const int64_t n = y.numel();
-  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
-                  r.device().is_cpu() && r.numel() == n,
-              "nearest: r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
+  const int64_t n = site_length(y, r, "nearest");
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
