@@ -139,7 +139,7 @@ def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | Non
             (out is None or out.is_contiguous()):
         r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
                                                     device=flat.device)
-        torch.ops.ovt.nearest(flat, r, True)
+        torch.ops.ovt.nearest(flat, r)
         return r, True
     return (flat.to(policy.target) if out is None else out.copy_(flat)), False
 

@@ -9,7 +9,7 @@
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation; and, asked
 //   to (`widen_back`), the site's values overwritten with their roundings widened, so that
 //   they serve as the compute-dtype copy of the result (interceptor.py `WidenCache.note`);
-// - nearest, the same rounding and write-back for a result whose bounds are not read;
+// - nearest, a cast and that write-back, for a result whose bounds are not read;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
 //   `_apply_directions` and `_apply_values` do it with torch ops;
@@ -609,10 +609,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
   return {candidates, bounds, values, widen};
 }
 
-// y rounded to nearest-even into r (a cast, as `to` does) and, with `widen_back`, y overwritten
-// with r widened, chunk by chunk while it is in the cache: the band pass's `widen_back` for a
-// result with e = 0, or whose bounds are not read (a replayed site without entries).
-void nearest(const at::Tensor& y, const at::Tensor& r, bool widen_back) {
+// y rounded to nearest-even into r (a cast, as `to` does) and y overwritten with r widened,
+// chunk by chunk while it is in the cache: the band pass's `widen_back` for a result with
+// e = 0, or whose bounds are not read (a replayed site without entries).
+void nearest(const at::Tensor& y, const at::Tensor& r) {
   const int64_t n = site_length(y, r, "nearest");
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
@@ -620,7 +620,7 @@ void nearest(const at::Tensor& y, const at::Tensor& r, bool widen_back) {
     for (int64_t b = begin; b < end; b += kGrain) {
       const int64_t e = std::min(end, b + kGrain);
       narrow_range(yp, rp, b, e);
-      if (widen_back) widen_range(yp, rp, b, e);
+      widen_range(yp, rp, b, e);
     }
   });
 }
@@ -811,9 +811,10 @@ std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s,
 }
 
 // The bound rules' own arithmetic (bounds.py `_norms`, `_channel_sums`, `_window_norms`,
-// `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch twin that gives the same bits: each computes a bound, whose
-// sums may run in any order (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in
-// one fixed order, whatever the thread count: the same bits on every run and machine.
+// `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch
+// twin that gives the same bits: each computes a bound, whose sums may run in any order
+// (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in one fixed order, whatever
+// the thread count: the same bits on every run and machine.
 
 // acc[c] += row[c]^2 for c < count, in float64.
 template <typename T>
@@ -1336,7 +1337,7 @@ TORCH_LIBRARY(ovt, lib) {
       "round_band(Tensor(b!) y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
       "int inner, int rows, float scale, float floor, float weight, bool widen_back) "
       "-> (Tensor, Tensor, Tensor, bool)");
-  lib.def("nearest(Tensor(b!) y, Tensor(a!) r, bool widen_back) -> ()");
+  lib.def("nearest(Tensor(b!) y, Tensor(a!) r) -> ()");
   lib.def(
       "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> (Tensor, bool)");

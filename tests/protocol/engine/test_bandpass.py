@@ -137,6 +137,17 @@ def test_the_fused_pass_gives_the_bits_of_the_torch_ops(seed, monkeypatch):
             assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
 
 
+def assert_same_pass(got, expected, name):
+    """Two band passes' rounding, candidates, bounds and values, bit for bit."""
+    (r, cand, e, values), (r2, cand2, e2, values2) = got[:4], expected[:4]
+    assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
+    assert (cand is None) == (cand2 is None), name
+    if cand is not None:
+        assert torch.equal(cand, cand2), name
+        assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+        assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("passes", ["fused", "torch"])
 def test_a_given_destination_gets_the_bits_of_a_new_one(seed, passes, monkeypatch):
@@ -149,14 +160,9 @@ def test_a_given_destination_gets_the_bits_of_a_new_one(seed, passes, monkeypatc
         r, cand, e, values, _ = round_band(flat, y, bound, POLICY)
         for out in (torch.full((flat.numel(),), math.nan, dtype=torch.float32),
                     torch.full((2 * flat.numel(),), math.nan, dtype=torch.float32)[::2]):
-            r2, cand2, e2, values2, _ = round_band(flat, y, bound, POLICY, out)
-            assert r2 is out, name
-            assert torch.equal(out.view(torch.int32), r.view(torch.int32)), name
-            assert (cand is None) == (cand2 is None), name
-            if cand is not None:
-                assert torch.equal(cand, cand2), name
-                assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
-                assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+            given = round_band(flat, y, bound, POLICY, out)
+            assert given[0] is out, name
+            assert_same_pass(given, (r, cand, e, values), name)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -171,15 +177,10 @@ def test_widening_back_changes_nothing_but_the_values_given(seed, passes, monkey
         r, cand, e, values, widened = round_band(y.reshape(-1), y, bound, POLICY)
         assert not widened, name
         mine = y.contiguous().clone()
-        r2, cand2, e2, values2, widened = round_band(mine.view(-1), mine, bound, POLICY,
-                                                     widen_back=True)
+        widening = round_band(mine.view(-1), mine, bound, POLICY, widen_back=True)
+        widened = widening[4]
         assert widened == fused.ENABLED, name
-        assert torch.equal(r2.view(torch.int32), r.view(torch.int32)), name
-        assert (cand is None) == (cand2 is None), name
-        if cand is not None:
-            assert torch.equal(cand, cand2), name
-            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
-            assert torch.equal(values.view(torch.int64), values2.view(torch.int64)), name
+        assert_same_pass(widening, (r, cand, e, values), name)
         expected = r.to(F64).view(y.shape) if widened else y
         assert torch.equal(mine.view(torch.int64), expected.view(torch.int64)), name
         mine = y.contiguous().clone()
