@@ -36,9 +36,9 @@ _FUSED_PAIR = (torch.float64, torch.float32)
 @dataclass(frozen=True)
 class _FlatBound:
     """One result's bound over its flat values, as `csrc/fused.cpp` reads it: element i's base is
-    |y_i| (relative), m[i // inner] (rows), m[i // inner]·col[(i // (rows·inner))·inner +
-    i % inner] (+ add[i % inner] or add[i]) (outer), or |y_i| + weight·|add[i]| (plus);
-    e = base·scale + floor."""
+    |y_i| (relative), m[i // inner] (+ weight·|y_i| where weight is not 0) (rows),
+    m[i // inner]·col[(i // (rows·inner))·inner + i % inner] (+ add[i % inner] or add[i])
+    (outer), or |y_i| + weight·|add[i]| (plus); e = base·scale + floor."""
 
     mode: int
     scale: float
@@ -61,6 +61,8 @@ class _FlatBound:
             assert self.m is not None
             row = idx // self.inner
             base = self.m[row]
+            if self.mode == _ROWS and self.weight:
+                base = flat[idx].abs().mul_(self.weight).add_(base)
             if self.mode == _OUTER:
                 assert self.col is not None
                 j = idx % self.inner
@@ -205,7 +207,7 @@ def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
         return _FlatBound(_PLUS, b.scale, b.floor, add=_float64(b.other.expand(y.shape)),
                           weight=b.weight)
     if b.col is None:
-        return _rows(y, b.m, b.scale, b.floor)
+        return _rows(y, b.m, b.scale, b.floor, b.weight)
     rows, inner = b.m.shape[-1], b.col.shape[-1]  # y viewed as (..., rows, inner)
     add = b.add
     if add is not None:
@@ -216,13 +218,15 @@ def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
     return _FlatBound(_OUTER, b.scale, b.floor, _float64(b.m), _float64(b.col), add, inner, rows)
 
 
-def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float) -> _FlatBound:
-    """A base tensor broadcast to `y`: one value per run of trailing elements where its shape
-    is y's leading dimensions followed by ones, else expanded to one value per element."""
+def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float, weight: float = 0.0
+          ) -> _FlatBound:
+    """A base tensor broadcast to `y` (plus weight·|y| where `weight` is not 0): one value per
+    run of trailing elements where its shape is y's leading dimensions followed by ones, else
+    expanded to one value per element."""
     inner = _run(y.shape, m.shape)
     if inner is not None:
-        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=inner)
-    return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape)))
+        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=inner, weight=weight)
+    return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape)), weight=weight)
 
 
 @lru_cache(maxsize=4096)

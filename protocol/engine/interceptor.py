@@ -53,9 +53,11 @@ from protocol.errors import DeterminismError
 Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
 
 # Large elementwise sites are computed and rounded in parts (`RoundingMode._in_parts`): from
-# PARTS_FROM elements, PART at a time (1 MiB of float64, which stays in the cache).
+# PARTS_FROM elements, PART at a time: 4 MiB of float64, which stays in the last-level cache.
+# Parts of 1 MiB repeat each part's Python work four times as often: the optimizer's square
+# root and division at GPT-2 width took about 10 % longer (issue 13).
 PARTS_FROM = 1 << 21
-PART = 1 << 17
+PART = 1 << 19
 
 
 def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:

@@ -76,7 +76,8 @@ constexpr int64_t kGrain = 1 << 15;                  // elements per chunk of wo
 // How an element's `base` is found (bounds.py `Affine`, in the same order).
 enum Mode : int64_t {
   kRelative = 0,  // base = |y_i|
-  kRows = 1,      // base = m[i / inner]  (m holds one value per run of `inner` elements)
+  kRows = 1,      // base = m[i / inner]  (m holds one value per run of `inner` elements),
+                  //        + weight * |y_i| where weight is not 0
   kOuter = 2,     // base = m[i / inner] * col[(i / (rows * inner)) * inner + i % inner]
                   //        (+ add[i % inner] or + add[i], where `add` is given)
   kPlus = 3,      // base = |y_i| + weight * |add[i]|  (`add` one value per element)
@@ -92,7 +93,7 @@ struct Spec {
   int64_t rows;
   double scale;
   double floor;
-  double weight;  // kPlus's
+  double weight;  // kPlus's, and kRows's where not 0
 };
 
 __attribute__((always_inline)) inline double as_double(int64_t bits) { return __builtin_bit_cast(double, bits); }
@@ -103,7 +104,7 @@ inline double base_at(const Spec& s, const double* y, int64_t i) {
   if (s.mode == kRelative) return std::fabs(y[i]);
   if (s.mode == kPlus) return std::fabs(y[i]) + s.weight * std::fabs(s.add[i]);
   const int64_t row = i / s.inner;
-  if (s.mode == kRows) return s.m[row];
+  if (s.mode == kRows) return s.weight != 0 ? s.m[row] + s.weight * std::fabs(y[i]) : s.m[row];
   const int64_t j = i % s.inner;
   double base = s.m[row] * s.col[(row / s.rows) * s.inner + j];
   if (s.add != nullptr) base = base + s.add[s.add_per_column ? j : i];
@@ -182,7 +183,7 @@ __attribute__((always_inline)) inline void scan_range(const double* y, float* r,
 OVT_CLONES
 void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
           std::vector<int64_t>& out) {
-  const double scale = s.scale, floor = s.floor;
+  const double scale = s.scale, floor = s.floor, weight = s.weight;
   if (s.mode == kRelative) {
     scan_range(y, r, begin, end, scale, floor, [](int64_t, double v) { return std::fabs(v); },
                out);
@@ -190,7 +191,6 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   }
   if (s.mode == kPlus) {
     const double* add = s.add;
-    const double weight = s.weight;
     scan_range(y, r, begin, end, scale, floor,
                [add, weight](int64_t i, double v) {
                  return std::fabs(v) + weight * std::fabs(add[i]);
@@ -200,7 +200,12 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   }
   if (s.mode == kRows && s.inner == 1) {
     const double* m = s.m;
-    scan_range(y, r, begin, end, scale, floor, [m](int64_t i, double) { return m[i]; }, out);
+    if (weight != 0) {
+      scan_range(y, r, begin, end, scale, floor,
+                 [m, weight](int64_t i, double v) { return m[i] + weight * std::fabs(v); }, out);
+    } else {
+      scan_range(y, r, begin, end, scale, floor, [m](int64_t i, double) { return m[i]; }, out);
+    }
     return;
   }
   // Row by row: a row's factor (and its column block) is found once, not per element.
@@ -209,7 +214,10 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
     const int64_t stop = std::min(end, i + (s.inner - j));
     const int64_t start = i - j;  // the row's first element
     const double m = s.m[row];
-    if (s.mode == kRows) {
+    if (s.mode == kRows && weight != 0) {
+      scan_range(y, r, i, stop, scale, floor,
+                 [m, weight](int64_t, double v) { return m + weight * std::fabs(v); }, out);
+    } else if (s.mode == kRows) {
       scan_range(y, r, i, stop, scale, floor, [m](int64_t, double) { return m; }, out);
     } else {
       const double* col = s.col + (row / s.rows) * s.inner;  // this batch's column factors

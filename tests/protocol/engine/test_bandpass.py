@@ -92,6 +92,11 @@ def sites(seed: int) -> list[tuple[str, torch.Tensor, Bound]]:
         ("rows, per row", y4, Affine(1e-15, 1e-320, norms(4, 5, 1, 1))),
         ("rows, per leading", y4, Affine(1e-15, 0.0, norms(4, 1, 1, 1))),
         ("rows, broadcast inside", y4, Affine(1e-15, 0.0, norms(1, 5, 1, 7))),
+        # log-softmax's form: a row constant plus weight·|y| (y holds NaN, ±inf, subnormals)
+        ("rows plus |y|, per row", y4, Affine(2.0**-50, 1e-322, norms(4, 5, 6, 1), weight=2.0)),
+        ("rows plus |y|, full", y2, Affine(2.0**-49, 0.0, norms(37, 53), weight=0.3)),
+        ("rows plus |y|, broadcast inside", y4,
+         Affine(2.0**-50, 0.0, norms(1, 5, 1, 7), weight=2.0)),
         ("outer", y2, Affine(2.0**-48, 1e-322, norms(37), norms(53))),
         ("outer, bias", y2, Affine(2.0**-48, 1e-322, norms(37), norms(53), norms(53))),
         ("outer, matrix", y2, Affine(2.0**-48, 0.0, norms(37), norms(53), norms(37, 53))),
@@ -429,7 +434,7 @@ def value_choices(r: torch.Tensor) -> list[int]:
 
 
 @needs_fused
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # (13 s each)
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # (17 s each)
 def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monkeypatch):
     """`bandpass.apply_entries` (csrc/fused.cpp) against the replayer's torch ops, entry by
     entry on every hard site: a direction entry either way, and value entries of every kind

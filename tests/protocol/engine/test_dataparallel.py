@@ -180,6 +180,7 @@ def _reference(program: str, run_dir: Path, steps: int) -> list[str]:
     return hashes
 
 
+@pytest.mark.slow  # (16 s; the three-process variant below runs by default)
 def test_a_worker_killed_mid_step_changes_no_state(tmp_path):
     hashes = _kill_during_steps("image-cnn", tmp_path, steps=3, kills=2, seed=1)
     assert hashes == _reference("image-cnn", tmp_path, len(hashes) - 1)
