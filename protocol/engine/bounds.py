@@ -685,7 +685,7 @@ def _spread(e: Affine | float, dims: int) -> Affine | float:
     """A (rows, cols) bound reshaped to broadcast over `dims` trailing spatial dimensions."""
     if not isinstance(e, Affine) or e.m is None:
         return e
-    return Affine(e.scale, e.floor, e.m.reshape(*e.m.shape, *([1] * dims)))
+    return Affine(e.scale, e.floor, e.m.reshape(*e.m.shape, *([1] * dims)), weight=e.weight)
 
 
 def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:

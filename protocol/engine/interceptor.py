@@ -33,6 +33,7 @@ exact, no site; only the arithmetic a served op does on its inputs runs here as 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -53,9 +54,10 @@ from protocol.errors import DeterminismError
 Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
 
 # Large elementwise sites are computed and rounded in parts (`RoundingMode._in_parts`): from
-# PARTS_FROM elements, PART at a time: 4 MiB of float64, which stays in the last-level cache.
-# Parts of 1 MiB repeat each part's Python work four times as often: the optimizer's square
-# root and division at GPT-2 width took about 10 % longer (issue 13).
+# PARTS_FROM elements, PART at a time (4 MiB of float64 per buffer: a part's result and each
+# widened operand). Parts of 1 MiB repeat each part's Python work four times as often: the
+# optimizer's square root and division at GPT-2 width took about 10 % longer; parts of 8 MiB
+# gained nothing more (issue 13).
 PARTS_FROM = 1 << 21
 PART = 1 << 19
 
@@ -64,28 +66,34 @@ def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ob
     return func(*args, **kwargs)
 
 
-# Thread counts at which this process's CPU math library has been warmed (`warm_math_library`).
-_WARMED: set[int] = set()
-# Elements of each warm-up call: enough for the library to share them among its threads, fewer
-# than ATen's grain (32,768), from which ATen shares them out itself.
-_WARM_ELEMENTS = 4096
+# Per thread: the thread counts at which the CPU math library has been warmed from it
+# (`warm_math_library`; OpenMP keeps a pool of worker threads per thread that starts parallel work).
+_WARMED = threading.local()
+# Elements per thread of each warm-up call: ATen shares these ops out in chunks of at least 2,048,
+# so that every worker thread gets some.
+_WARM_GRAIN = 2048
 
 
 def warm_math_library() -> None:
-    """Make this process's first calls into the CPU math library, at the current thread count,
-    on values no site uses. Measured on torch 2.13's CPU wheel (MKL's vector math): the first
-    float64 square root of a process, 3,001 elements on 2 threads, returned in 3 of 40 fresh
-    processes the half its second thread computed with errors up to 1.4e5 float64 ULPs (2^-36
-    relative) — far past the relative rules' bounds (`bounds._MAX_ULPS`, SPEC §3.2.1), so an
-    honest record need not replay — while every later call was within an ULP (a test's
-    recording in parts and whole disagreed once in ten runs). Both compute dtypes are warmed,
-    once per thread count (a larger count may start threads that have not run the library)."""
+    """Make the first calls into the CPU math library of every worker thread at the current
+    thread count on values no site uses. Measured on torch 2.13's CPU wheel (MKL's vector
+    math): a process's first float64 square root, 3,001 elements on 2 threads, returned in 3 of
+    40 fresh processes the half its second thread computed with errors up to 1.4e5 float64
+    ULPs (2^-36 relative) — far past the relative rules' bounds (`bounds._MAX_ULPS`, SPEC
+    §3.2.1), so an honest record need not replay (a test's recording in parts and whole
+    disagreed once in ten runs) — while every later call, of that function or another (atan,
+    tanh, exp, log, erf, sin), was right. After one warm-up call none of 40 processes showed
+    it. Both compute dtypes are warmed, once per thread count and calling thread."""
     threads = torch.get_num_threads()
-    if threads in _WARMED:
+    warmed = getattr(_WARMED, "counts", None)
+    if warmed is None:
+        warmed = _WARMED.counts = set()
+    if threads in warmed:
         return
     for dtype in (torch.float64, torch.float32):
-        torch.sqrt(torch.linspace(1.0, 2.0, _WARM_ELEMENTS, dtype=dtype))
-    _WARMED.add(threads)
+        torch.sqrt(torch.linspace(1.0, 2.0, _WARM_GRAIN * max(threads, 2), dtype=dtype,
+                                  device="cpu"))
+    warmed.add(threads)
 
 
 class _Span(NamedTuple):
