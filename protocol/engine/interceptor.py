@@ -75,8 +75,8 @@ _WARM_GRAIN = 2048
 
 
 def warm_math_library() -> None:
-    """Make the first calls into the CPU math library of every worker thread at the current
-    thread count on values no site uses. Measured on torch 2.13's CPU wheel (MKL's vector
+    """Make every worker thread's first call into the CPU math library, at the current thread
+    count, on values no site uses. Measured on torch 2.13's CPU wheel (MKL's vector
     math): a process's first float64 square root, 3,001 elements on 2 threads, returned in 3 of
     40 fresh processes the half its second thread computed with errors up to 1.4e5 float64
     ULPs (2^-36 relative) — far past the relative rules' bounds (`bounds._MAX_ULPS`, SPEC
@@ -91,8 +91,7 @@ def warm_math_library() -> None:
     if threads in warmed:
         return
     for dtype in (torch.float64, torch.float32):
-        torch.sqrt(torch.linspace(1.0, 2.0, _WARM_GRAIN * max(threads, 2), dtype=dtype,
-                                  device="cpu"))
+        torch.sqrt(torch.linspace(1.0, 2.0, _WARM_GRAIN * threads, dtype=dtype, device="cpu"))
     warmed.add(threads)
 
 

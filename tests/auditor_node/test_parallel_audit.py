@@ -158,8 +158,9 @@ def test_a_crashed_parallel_audit_resumes_keeping_its_stitched_leaves(trained, t
     assert record.auditor_commitment.commitment.root == trained.signed.commitment.root
     assert store.leaves()[:8] == kept
     # resumed after step 7: the rest of its interval from the auditor's own S_7 (its S_5 and
-    # logs 6-7), then the two later intervals from the trainer's S_10 and S_15
-    assert sorted(counting.steps("GetCheckpoint")) == [10, 15]
+    # logs 6-7), then the two later intervals from the trainer's S_10 and S_15 — fetched unless
+    # the worker taking one already holds that state, having just replayed up to it (timing)
+    assert set(counting.steps("GetCheckpoint")) <= {10, 15}
     assert sorted(counting.steps("GetLog")) == list(range(8, STEPS + 1))
 
 
