@@ -66,9 +66,16 @@ def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ob
     return func(*args, **kwargs)
 
 
-# Per thread: the thread counts at which the CPU math library has been warmed from it
-# (`warm_math_library`; OpenMP keeps a pool of worker threads per thread that starts parallel work).
-_WARMED = threading.local()
+class _Warmed(threading.local):
+    """Per thread: the thread counts at which the CPU math library has been warmed from it
+    (`warm_math_library`; OpenMP keeps a pool of worker threads per thread that starts
+    parallel work)."""
+
+    def __init__(self) -> None:
+        self.counts: set[int] = set()
+
+
+_WARMED = _Warmed()
 # Elements per thread of each warm-up call: ATen shares these ops out in chunks of at least 2,048,
 # so that every worker thread gets some.
 _WARM_GRAIN = 2048
@@ -85,14 +92,11 @@ def warm_math_library() -> None:
     tanh, exp, log, erf, sin), was right. After one warm-up call none of 40 processes showed
     it. Both compute dtypes are warmed, once per thread count and calling thread."""
     threads = torch.get_num_threads()
-    warmed = getattr(_WARMED, "counts", None)
-    if warmed is None:
-        warmed = _WARMED.counts = set()
-    if threads in warmed:
+    if threads in _WARMED.counts:
         return
     for dtype in (torch.float64, torch.float32):
         torch.sqrt(torch.linspace(1.0, 2.0, _WARM_GRAIN * threads, dtype=dtype, device="cpu"))
-    warmed.add(threads)
+    _WARMED.counts.add(threads)
 
 
 class _Span(NamedTuple):

@@ -794,7 +794,7 @@ def test_a_mode_warms_the_math_library_once_per_thread_count_and_thread(monkeypa
         calls.append((x.dtype, x.device.type, x.numel()))
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(interceptor, "_WARMED", threading.local())
+    monkeypatch.setattr(interceptor, "_WARMED", interceptor._Warmed())
     monkeypatch.setattr(torch, "sqrt", counted)
     before = torch.get_num_threads()
     try:
