@@ -244,8 +244,8 @@ def _print_summary(args, policy, result: CheckResult) -> None:
               f"adversary, which adds its proven bound on top, up to 1.5; the band absorbs 2):")
         rows = sorted(a.divergence.items(), key=lambda kv: -kv[1]["max_fraction_of_bound"])
         for op, d in rows:
-            zero = f", {d['zero_bound_differing']} with bound 0 differ (UNSOUND)" \
-                if d["zero_bound_differing"] else ""
+            zero = f", {d['zero_bound_rounded_apart']} with bound 0 round apart (UNSOUND)" \
+                if d["zero_bound_rounded_apart"] else ""
             print(f"  {op:44} max {d['max_fraction_of_bound']:.3g} of e "
                   f"({d['differing']}/{d['elements']} differ){zero}")
         worst = max(d["max_fraction_of_bound"] for d in a.divergence.values())

@@ -1,4 +1,4 @@
-"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 4).
+"""Certified error bounds: one rule per primitive op (SPEC §3.2.1, bound rules version 5).
 
 For each element `y` of a rounding site, the op's rule gives `e ≥ 0` such that *every*
 conforming implementation of the op on the same (target-representable) inputs — any summation
@@ -13,8 +13,12 @@ executor pins TF32 and reduced-precision reductions off).
 
 The rules:
 - **zero** (`e = 0`): one correctly rounded IEEE operation — add, subtract, multiply — on
-  target-representable inputs. IEEE-754 §5.4.1 fixes its result bit for bit. (Not square root:
-  torch's CPU kernel misrounds it, see `_MAX_ULPS`.)
+  target-representable inputs. IEEE-754 §5.4.1 fixes its result bit for bit.
+- **correctly rounding** (`e = 0`, version 5): square root on target-representable inputs. Its
+  compute-dtype result may differ per machine (torch's CPU kernel is off by up to 0.53 ULP),
+  but no root of a target value lies within 4 compute ULPs (float64; 32 in float32) of a target
+  rounding boundary, so every machine within that rounds to the same target value and nothing
+  is ever in its band (`SQRT_MARGIN_ULPS`).
 - **relative** (`e = 4·n·u·|y|`, u the compute unit roundoff): functions whose documented
   maximum error is `n` ULPs of their own result, `n` the larger of the CPU library's (glibc
   libm, whose x86-64 error table is the bound for SLEEF's `u10` kernels too) and the CUDA Math
@@ -267,9 +271,8 @@ def _mag(value) -> torch.Tensor | float:
 
 def _zero(ctx, func, args, kwargs, ys) -> list[Bound]:
     """IEEE-754 §5.4.1: add, subtract and multiply are correctly rounded, so on the same inputs
-    every conforming machine returns the same compute-dtype bits: e = 0. (Square root is too in
-    IEEE-754, but torch's CPU float64 sqrt is not: measured 0.53 ULP, so it has a relative rule.)
-    """
+    every conforming machine returns the same compute-dtype bits: e = 0. (Square root:
+    `SQRT_MARGIN_ULPS`.)"""
     return [None] * len(ys)
 
 
@@ -291,7 +294,9 @@ def _relative(max_ulps: float, floor_normals: float = 0.0) -> RuleFn:
 # ATen count their own roundings: sigmoid = 1/(1+exp(-x)) is exp (1) + add (0.5) + divide (0.5,
 # or a reciprocal and a multiply: 1) <= 3; div on CUDA may be a reciprocal times a multiply
 # (<= 1); torch's rsqrt on the CPU is 1/sqrt (<= 1.5), CUDA's rsqrt 1; torch's CPU sqrt is not
-# correctly rounded (measured 0.53 ULP on float32 inputs: test_bounds), so it gets 1.
+# correctly rounded (measured 0.53 ULP on float32 inputs: test_bounds), so it gets 1: the error
+# of a root of wide values (`_rstd_error`); on target values the root rounds correctly
+# (`SQRT_MARGIN_ULPS`).
 _MAX_ULPS = {
     "sqrt": 1,
     "exp": 1, "exp2": 1, "expm1": 1, "log": 1, "log1p": 1, "log2": 2, "log10": 2,
@@ -303,6 +308,34 @@ _MAX_ULPS = {
 # larger entries than its double one for some functions (expf, powf, tanf, acoshf); twice the
 # double figures covers every entry of both tables.
 _FLOAT32_FACTOR = 2.0
+
+# Square root on target-dtype inputs (SPEC §3.2.1, bound rules version 5): e = 0, though a
+# machine's compute-dtype result need not be correctly rounded (torch's CPU float64 sqrt, MKL's,
+# is off by up to 0.53 ULP): no result within SQRT_MARGIN_ULPS of the exact root lies on the
+# other side of a target rounding boundary, so every conforming machine rounds to the same,
+# correctly rounded, target value, and nothing is ever in the band. Here e = 0 certifies the
+# rounding, not the compute-dtype bits (as it does for add, subtract and multiply). A root of
+# compute-dtype values (a program computing wide, integers widened) keeps the relative rule:
+# they need not be target values (`rule_of`).
+#
+# Proof. Let the target have p significant bits, the compute dtype p', and a > 0 a target
+# value whose root r lies in [2^E, 2^(E+1)). The target midpoints there are m = (2k + 1)·2^(E−p),
+# so m² is an odd multiple of 2^(2E−2p); a is a multiple of 2^(2E−2p+1) (a normal a ≥ 2^2E has
+# a p-bit significand; a subnormal one is a multiple of 2^(−149), or 2^(−133) in bfloat16, which
+# is a multiple of 2^(2E−2p+1) for E ≤ −51, or −59, and its root has E ≤ −64). So a ≠ m², and
+# |a − m²| ≥ 2^(2E−2p); with r + m < 2^(E+2), |r − m| = |a − m²| / (r + m) > 2^(E−2p−2), which is
+# 2^(p'−2p−3) compute ULPs of the binade: 4 for float64 -> float32, 32 for float32 -> bfloat16.
+# Roots of target values are never target subnormals, nor beyond the largest finite value; a
+# zero, +inf, NaN or a negative input gives ±0, +inf or NaN, no rounding choice. The documented
+# errors (`_MAX_ULPS`, 1 ULP; 2 for a float32 compute dtype), and twice them, what the relative
+# rule let a conforming root err by (e / 2 = 2·n·u·|y|, less than 2n ULPs), are inside the margin
+# (`_ROOTS_ROUND_CORRECTLY`); tests/protocol/engine/test_bounds.py checks the float32 inputs
+# nearest to midpoints at ±3 ULPs, and (slow) every float32 in [1, 4) and every subnormal.
+SQRT_MARGIN_ULPS = {(torch.float64, torch.float32): 4, (torch.float32, torch.bfloat16): 32}
+# (compute dtype's unit roundoff, target dtype) pairs whose roots round correctly
+_ROOTS_ROUND_CORRECTLY = frozenset(
+    (torch.finfo(compute).eps / 2, target) for (compute, target), margin in SQRT_MARGIN_ULPS.items()
+    if 2 * _MAX_ULPS["sqrt"] * (_FLOAT32_FACTOR if compute == torch.float32 else 1.0) < margin)
 
 # Absolute floors in smallest normals: 1/(1 + exp(-x)) returns 0 where exp(-x) overflows
 # (x < -709.78 in float64, -88.7 in float32) while the exact sigmoid is a subnormal below one
@@ -1224,7 +1257,7 @@ def _table() -> dict[str, Rule]:
 
     add(["mul"], Rule("zero", _zero, reads_inputs=False, elementwise=True), foreach=True)
     add(["add", "sub", "rsub"], Rule("axpy", _axpy), foreach=True)
-    for name, ulps in _MAX_ULPS.items():
+    for name, ulps in _MAX_ULPS.items():  # (sqrt's, where its inputs are not target values)
         add([name], Rule(f"relative({ulps} ulp)", _relative(ulps, _FLOOR_NORMALS.get(name, 0.0)),
                          reads_inputs=False, elementwise=True), foreach=True)
     add(["lerp"], Rule("lerp", _lerp), foreach=True)  # tensor weights; else FIXED_FORMULA
@@ -1270,6 +1303,11 @@ _COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
 _RULES = _table()
 _ZERO = _RULES["mul"]
 
+# A square root of target-dtype values (`SQRT_MARGIN_ULPS`), single or foreach (`_zero` gives
+# one e = 0 per result), in place or not.
+_CORRECTLY_ROUNDING = Rule("correctly-rounding", _zero, reads_inputs=False, elementwise=True)
+_ROOTS = frozenset({"sqrt", "sqrt_", "_foreach_sqrt", "_foreach_sqrt_"})
+
 # The rule of a fixed-formula op (`protocol.engine.pointwise.is_fixed`): ovt computes it as a
 # fixed sequence of correctly rounded IEEE operations, the same bits on every conforming
 # machine (IEEE-754 §5.4.1, as `_zero`), so e = 0. The interceptor gives it before `rule_of`.
@@ -1303,6 +1341,8 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if composite is not None:
         own, terms = composite
         return own if terms(args, kwargs) * unit_roundoff <= _COMPOSITE_LIMIT else None
+    if name in _ROOTS and _roots_round_correctly(args, unit_roundoff):
+        return _CORRECTLY_ROUNDING
     rule = _RULES.get(name)
     if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
         return _ZERO  # one IEEE add or subtract: nothing to read
@@ -1311,3 +1351,13 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if name in ("div", "div_") and _arg(args, kwargs, 2, "rounding_mode", None) is not None:
         return None  # floor/trunc division: no rule (a floor amplifies any error)
     return rule
+
+
+def _roots_round_correctly(args: tuple, unit_roundoff: float) -> bool:
+    """Whether a square root's inputs (a tensor, or a foreach op's list of them) are all of a
+    target dtype whose roots round correctly in this compute dtype (`SQRT_MARGIN_ULPS`): a
+    decision on dtypes, which every party holds alike."""
+    x = args[0] if args else None
+    tensors = x if isinstance(x, (list, tuple)) else [x]
+    return all(isinstance(t, torch.Tensor) and (unit_roundoff, t.dtype) in _ROOTS_ROUND_CORRECTLY
+               for t in tensors)

@@ -40,6 +40,7 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
@@ -86,7 +87,7 @@ def warm_math_library() -> None:
     count, on values no site uses. Measured on torch 2.13's CPU wheel (MKL's vector
     math): a process's first float64 square root, 3,001 elements on 2 threads, returned in 3 of
     40 fresh processes the half its second thread computed with errors up to 1.4e5 float64
-    ULPs (2^-36 relative) — far past the relative rules' bounds (`bounds._MAX_ULPS`, SPEC
+    ULPs (2^-36 relative) — far past the rules' bounds (`bounds._MAX_ULPS`, SPEC
     §3.2.1), so an honest record need not replay (a test's recording in parts and whole
     disagreed once in ten runs) — while every later call, of that function or another (atan,
     tanh, exp, log, erf, sin), was right. After one warm-up call none of 40 processes showed
@@ -100,19 +101,21 @@ def warm_math_library() -> None:
 
 
 class _Span(NamedTuple):
-    """A `WidenCache` entry: elements [first, first + len(wide)) of `storage` widened, made at
-    `version` of the tensor they came from; `size` the bytes it counts against the budget."""
+    """A `WidenCache` entry: elements [first, first + len(wide)) of the storage `source` refers
+    to, widened, made at `version` of the tensor they came from; `size` the bytes it counts
+    against the budget (its wide copy's)."""
 
-    storage: torch.UntypedStorage  # held: its memory is not freed and handed on while cached
+    source: StorageWeakRef  # the storage's identity, without keeping its memory alive
     version: int
     first: int
     wide: torch.Tensor
     size: int
 
-    def serves(self, key: tuple, version: int) -> bool:
-        """Whether the span still holds what it was made from, as far as the cache can see:
-        the same version, and the storage's memory where it was (`resize_` moves it)."""
-        return self.version == version and self.storage.data_ptr() == key[0]
+    def serves(self, storage: torch.UntypedStorage, version: int) -> bool:
+        """Whether the span still holds what `storage`'s elements were when it was made, as far
+        as the cache can see: the same storage (not another one since placed at its address)
+        at the same version."""
+        return self.version == version and self.source.cdata == storage._cdata
 
 
 class WidenCache:
@@ -123,20 +126,27 @@ class WidenCache:
     widening every argument afresh repeats most of the widening traffic. An entry is a widened
     span of one storage's elements (`_Span`), from which any view of that storage lying inside
     the span is served as a view (`as_strided`), checked against the version counter of the
-    tensor it was made from (which views share) and against its storage's memory having stayed
-    where it was. A write the program makes bumps that counter; a write the interceptor itself
+    tensor it was made from (which views share) and against the storage being that same
+    storage. A write the program makes bumps that counter; a write the interceptor itself
     executes bumps none (inside a dispatch mode no in-place op does), and neither does one
     through an alias with its own counter (`p.data.mul_(...)`), so every write the interceptor
-    executes drops the entries of the storage written (`forget`). An entry holds its storage,
-    so that memory cannot be freed and handed to another tensor while the entry lives. Entries
-    are made two ways: `widen`, from a view whose span holds at most twice its elements (a
-    sparser one is widened alone, and not kept); and `note`, a site's result that the rounder
-    overwrote with its rounding (`round_result_in_place`), so that no copy is made at all.
-    Entries stop being added once they hold `budget_bytes`: their wide spans, and a noted
-    result's own memory (which the entry keeps alive past the program's use of it).
+    executes drops the entries of the storage written (`forget`). An entry refers to its
+    storage weakly (`StorageWeakRef`): the program's memory is freed when the program lets go of
+    it, and once it has, the entry serves nothing and is dropped when the budget is short
+    (`fits`), its wide copy freed. Entries are made two ways: `widen`, from a view whose span
+    holds at most twice its elements (a sparser one is widened alone, and not kept); and `note`,
+    a site's result that the rounder overwrote with its rounding (`round_result_in_place`), so
+    that no copy is made at all. Entries stop being added once their wide copies of storages
+    still alive hold `budget_bytes`.
+
+    The default budget, 1 GiB, holds at GPT-2's vocabulary the language-model head's widened
+    weights (300 MiB), read again by the backward pass, besides the roundings of its logits and
+    of their gradients (300 MiB each) while they are alive. With 512 MiB, and entries that kept
+    their storages alive, each was widened twice: 180 ms of a record step against 65 ms (issue
+    13).
     """
 
-    def __init__(self, compute: torch.dtype, budget_bytes: int = 512 * 2**20) -> None:
+    def __init__(self, compute: torch.dtype, budget_bytes: int = 2**30) -> None:
         self.compute, self.budget, self.held = compute, budget_bytes, 0
         self.entries: dict[tuple, list[_Span]] = {}  # per storage (`_storage_key`)
 
@@ -147,35 +157,46 @@ class WidenCache:
             last = first + t.numel() - 1
         else:
             last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        key = _storage_key(t)
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
         version = t._version
         spans = self.entries.get(key, [])
         for span in spans:
             if span.first <= first and last < span.first + span.wide.numel() and \
-                    span.serves(key, version):
+                    span.serves(storage, version):
                 wide = span.wide
                 return wide.as_strided(t.shape, t.stride(),
                                        wide.storage_offset() + first - span.first)
         length = last - first + 1
         if not t.numel() or key[0] == 0 or length > 2 * t.numel():
             return t.to(self.compute)
-        current = [span for span in spans if span.serves(key, version)]
+        current = [span for span in spans if span.serves(storage, version)]
         if len(current) < len(spans):  # the others are of no use
             self.held -= sum(span.size for span in spans) - sum(span.size for span in current)
             self.entries[key] = current
         wide = t.as_strided((length,), (1,), first).to(self.compute)
-        self._add(key, _Span(t.untyped_storage(), version, first, wide, _bytes(wide)))
+        self._add(key, _Span(StorageWeakRef(storage), version, first, wide, _bytes(wide)))
         return wide.as_strided(t.shape, t.stride(), 0)
 
     def note(self, r: torch.Tensor, wide: torch.Tensor) -> None:
         """Take `wide`, a contiguous compute-dtype tensor equal to `r.to(self.compute)`, as the
         widened copy of `r`'s memory: `r` contiguous and not empty, `wide` nobody else's."""
-        self._add(_storage_key(r), _Span(r.untyped_storage(), r._version,
-                                         int(r.storage_offset()), wide.view(-1),
-                                         _bytes(wide) + _bytes(r)))
+        self._add(_storage_key(r), _Span(StorageWeakRef(r.untyped_storage()), r._version,
+                                         int(r.storage_offset()), wide.view(-1), _bytes(wide)))
 
     def fits(self, nbytes: int) -> bool:
-        """Whether an entry of `nbytes` would be kept."""
+        """Whether an entry of `nbytes` would be kept; where the budget is short, first drops
+        the entries whose storage the program has let go of."""
+        if self.held + nbytes > self.budget:
+            for key, spans in list(self.entries.items()):
+                alive = [span for span in spans if not span.source.expired()]
+                if len(alive) < len(spans):
+                    self.held -= sum(span.size for span in spans) - \
+                        sum(span.size for span in alive)
+                    if alive:
+                        self.entries[key] = alive
+                    else:
+                        del self.entries[key]
         return self.held + nbytes <= self.budget
 
     def _add(self, key: tuple, span: _Span) -> None:
@@ -441,7 +462,7 @@ class RoundingMode(TorchDispatchMode):
         arguments) in parts of `PART` elements, each widened, computed and rounded while it is
         in the cache: one site all the same, its values the parts' concatenation
         (`SiteRecorder.round_site_in_parts`), with no compute-dtype copy of a whole operand or
-        result. At GPT-2 width the optimizer's square roots are 91 M elements, whose fresh
+        result. At GPT-2 width the optimizer's divisions are 91 M elements, whose fresh
         float64 buffers cost more in page faults than the arithmetic. `(result,)`, or None
         where this does not apply: a rounder that does not round in parts (`rounds_in_parts`,
         looked up on its class, so that a wrapper forwarding attributes to another rounder does
@@ -687,8 +708,7 @@ class RoundingMode(TorchDispatchMode):
         inside the mode bumps no version counter), so `y` gets the same first: −0 + 0 = +0 in
         either dtype, every other value (and the widening of each) as it is."""
         if not (getattr(type(self.rounder), "rounds_in_place", False) and y.is_contiguous()
-                and y.numel() and self._widened.fits(
-                    y.numel() * (y.element_size() + self.policy.target.itemsize))
+                and y.numel() and self._widened.fits(_bytes(y))
                 and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \

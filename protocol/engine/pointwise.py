@@ -1,11 +1,15 @@
-"""Elementwise ops whose compute-dtype result IEEE-754 fixes bit for bit, and the fused pass
-that computes them from target-dtype inputs in one read (SPEC §3.2.1; issues 11 and 13).
+"""Elementwise ops whose rounding to the target dtype is the same on every conforming machine,
+and the fused pass that computes them from target-dtype inputs in one read (SPEC §3.2.1; issues
+11 and 13).
 
-Two kinds, both with `e = 0`, so their sites never log anything:
+Three kinds, all with `e = 0`, so their sites never log anything:
 
 - **one correctly rounded operation** — mul, and add or sub with alpha 1 — on target-dtype
   inputs: every conforming machine returns the same compute-dtype bits (IEEE-754 §5.4.1;
   `bounds._zero`). ATen's kernels compute them as that one operation.
+- **square root** of target-dtype inputs (bound rules version 5): its compute-dtype bits may
+  differ per machine, its rounding never does (`bounds.SQRT_MARGIN_ULPS`). The fused pass
+  computes IEEE's root, the torch ops ATen's; both round to the correctly rounded target value.
 - **fixed formulas** (bound rules version 2): addcmul, addcdiv and lerp with a scalar weight,
   the optimizer's update terms. ovt does not run ATen's kernels for them — those may contract
   into an FMA, or branch on the weight, differently per machine — but computes them as a fixed
@@ -21,15 +25,16 @@ Two kinds, both with `e = 0`, so their sites never log anything:
   never passes). So every conforming machine computes the same bits. Under bound rules version 1
   these ops had bounds γ_3·Σ|terms| or γ_4·Σ|terms| and logged elements in their bands.
 
-On the CPU, for the float64 -> float32 policy, both kinds run as `torch.ops.ovt.pointwise`
+On the CPU, for the float64 -> float32 policy, all three kinds run as `torch.ops.ovt.pointwise`
 (`csrc/fused.cpp`): float32 inputs in, float32 results out, one pass, with no widened copy of
 any input and no band pass (nothing can be in the band of an `e = 0` site). That is the same
-bits as the torch ops on widened inputs (the float64 result is fixed, and both round it to
-nearest-even), which run everywhere else: CUDA, the bfloat16 policy, a strided call or one
-broadcast other than by runs or rows (`_broadcast`), a rounder that must see every site's wide
-values (tests/protocol/engine/test_pointwise.py). NaN results are NaN on both paths, but their
-sign and payload, which IEEE-754 leaves to the machine (§6.3), may differ: x86 takes them from
-one operand or the other by the order its instruction reads them in.
+bits as the torch ops on widened inputs (both round to nearest-even a float64 result that is
+fixed, or, for a root, one whose rounding is), which run everywhere else: CUDA, the bfloat16
+policy, a strided call or one broadcast other than by runs or rows (`_broadcast`), a rounder
+that must see every site's wide values (tests/protocol/engine/test_pointwise.py). NaN results
+are NaN on both paths, but their sign and payload, which IEEE-754 leaves to the machine (§6.3),
+may differ: x86 takes them from one operand or the other by the order its instruction reads
+them in.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch
 from protocol.engine import fused
 
 # csrc/fused.cpp `Pointwise`
-MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP = range(9)
+MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP, SQRT = range(10)
 
 FIXED = frozenset({"addcmul", "addcdiv", "lerp"})  # computed by formula, never by ATen
 
@@ -59,6 +64,7 @@ _OVERLOADS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "addcmul": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
     "addcdiv": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
     "lerp": (frozenset({"Scalar", "Scalar_out"}), frozenset({"Scalar", "ScalarList"})),
+    "sqrt": (frozenset({"default"}), frozenset({"default"})),
 }
 
 
@@ -142,6 +148,8 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
     a = args[0]
     if not isinstance(a, torch.Tensor):
         return None
+    if name == "sqrt":
+        return Elementwise(SQRT, a, None, None, 0.0)
     if name in ("mul", "add", "sub"):
         other = args[1] if len(args) > 1 else kwargs.get("other")
         alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)

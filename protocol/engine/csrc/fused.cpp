@@ -72,6 +72,7 @@ constexpr double kZeroBand54 = 0x1p-97;  // kZeroBand · 2**54
 constexpr int64_t kTwo52Bits = 0x4330000000000000LL;  // the bits of 2**52
 constexpr int64_t kInfBits = 0x7FF0000000000000LL;   // the bits of +inf
 constexpr int64_t kGrain = 1 << 15;                  // elements per chunk of work
+constexpr int32_t kQuietNaN32 = 0x7FC00000;          // float32's +NaN
 
 // How an element's `base` is found (bounds.py `Affine`, in the same order).
 enum Mode : int64_t {
@@ -292,6 +293,7 @@ enum Pointwise : int64_t {
   kAddcmul = 6,    // a + (v * b) * c
   kAddcdiv = 7,    // a + v * (b / c)
   kLerp = 8,       // a + v * (b - a)
+  kSqrt = 9,       // sqrt(a): the correctly rounded float32 square root (pointwise.py)
 };
 
 // out[i] = float32(op(a[i], b[i], c[i], v)) for i in [begin, end); compiled for AVX2 too.
@@ -331,6 +333,16 @@ void pointwise_range(int64_t op, const float* a, const float* b, const float* c,
     case kLerp:
       for (int64_t i = begin; i < end; ++i) {
         out[i] = static_cast<float>(double{a[i]} + v * (double{b[i]} - double{a[i]}));
+      }
+      break;
+    case kSqrt:  // IEEE's square root (vectorised: -fno-math-errno), then the conversion; a
+      // negative input gives +NaN, as ATen's CPU kernel does, not the instruction's -NaN (a
+      // blend of bits, not a branch, so that the loop vectorises)
+      for (int64_t i = begin; i < end; ++i) {
+        const float root = static_cast<float>(std::sqrt(double{a[i]}));
+        const int32_t negative = -static_cast<int32_t>(a[i] < 0);
+        out[i] = __builtin_bit_cast(float, (__builtin_bit_cast(int32_t, root) & ~negative) |
+                                               (kQuietNaN32 & negative));
       }
       break;
     default:
@@ -376,7 +388,7 @@ void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out,
 void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                const c10::optional<at::Tensor>& c, double v, const at::Tensor& out,
                int64_t b_inner, int64_t b_count) {
-  TORCH_CHECK(op >= kMulScalar && op <= kLerp, "pointwise: unknown op ", op);
+  TORCH_CHECK(op >= kMulScalar && op <= kSqrt, "pointwise: unknown op ", op);
   const int64_t n = a.numel();
   const float* ap = operand(a, n, "a", true);
   operand(out, n, "out", true);
@@ -391,7 +403,8 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
     pointwise_broadcast(op, ap, operand(b, b_count, "b", true), outp, n, b_inner, b_count);
     return;
   }
-  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar && op != kSubScalar);
+  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar &&
+                                          op != kSubScalar && op != kSqrt);
   const float* cp = operand(c, n, "c", op == kAddcmul || op == kAddcdiv);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     pointwise_range(op, ap, bp, cp, v, outp, begin, end);

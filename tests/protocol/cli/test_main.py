@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from protocol.cli.main import main
+from protocol.engine.precision import RULES_VERSION
 from protocol.engine.profiles import PRESETS
 
 TIMEOUT = 300
@@ -144,7 +145,7 @@ def test_text_report_in_process(capsys, tmp_path):
     assert rc == 0, out
     lines = out.splitlines()
     assert lines[0] == "ovt replay-check: image-cnn (its default config), 1 steps, mode ovt"
-    assert lines[1] == "  policy float64->float32, certified bands (bound rules v4)"
+    assert lines[1] == f"  policy float64->float32, certified bands (bound rules v{RULES_VERSION})"
     assert lines[2] == ("  trainer profile cpu-2t (cpu threads=2); auditor profile emulated-gpu "
                         "(cpu threads=2 splitk=1 chunks=3 order=permuted)")
     assert "result: BIT-EXACT — all 1 state hashes equal" in out
@@ -194,7 +195,7 @@ def test_replay_check_json_is_bit_exact(json_runs):
     assert report["steps_compared"] == 3 and report["mode"] == "ovt"
     assert report["trainer_profile"]["name"] == "cpu-2t"
     assert report["auditor_profile"]["describe"] == "cpu threads=2 splitk=1 chunks=3 order=permuted"
-    assert report["policy"] == "float64->float32" and report["bound_rules"] == 3
+    assert report["policy"] == "float64->float32" and report["bound_rules"] == RULES_VERSION
     assert "tau" not in report
     assert [s["step"] for s in report["steps"]] == [1, 2, 3]
     for s in report["steps"]:
@@ -205,10 +206,10 @@ def test_replay_check_json_is_bit_exact(json_runs):
     divergence = report["divergence"]
     assert divergence, "probe step 1 measures per-op divergence"
     assert set(next(iter(divergence.values()))) == {
-        "sites", "elements", "differing", "max_fraction_of_bound", "zero_bound_differing"}
+        "sites", "elements", "differing", "max_fraction_of_bound", "zero_bound_rounded_apart"}
     # conforming hardware stays within its certified bounds, and ops with bound 0 never differ
     assert all(0 <= d["max_fraction_of_bound"] <= 1 for d in divergence.values())
-    assert all(d["zero_bound_differing"] == 0 for d in divergence.values())
+    assert all(d["zero_bound_rounded_apart"] == 0 for d in divergence.values())
     differing = [op for op, d in divergence.items() if d["differing"] > 0]
     assert differing  # the profiles really differ ...
     assert all(divergence[op]["max_fraction_of_bound"] > 0 for op in differing)  # ... within e
@@ -227,7 +228,7 @@ def test_replay_check_against_the_bound_adversary(json_runs):
     assert report["bit_exact"] is True and report["steps_compared"] == 2
     assert report["auditor_profile"]["describe"] == "cpu threads=2 adversary"
     divergence = report["divergence"]
-    assert all(d["zero_bound_differing"] == 0 for d in divergence.values())
+    assert all(d["zero_bound_rounded_apart"] == 0 for d in divergence.values())
     assert all(d["max_fraction_of_bound"] <= 1 for d in divergence.values())
     conv = divergence["aten.convolution.default"]
     assert conv["differing"] > 0 and abs(conv["max_fraction_of_bound"] - 0.5) < 0.01

@@ -235,11 +235,10 @@ def test_foreach_op_is_one_site_over_all_list_elements():
     for o, b, y in zip(outs, before, ys, strict=True):
         step1 = ((wide(b) + wide(y)).float().double() / f32(1.7)).float()
         assert_same_bits(o, wide(step1).abs().sqrt().float())
-    # sqrt's rule is the bounds table's business (CPU float64 sqrt is not correctly rounded)
-    sqrt_bounded = rule_of(aten._foreach_sqrt.default, (), {}).name != "zero"
+    # a square root of target values rounds correctly: e = 0 (bound rules version 5)
     assert spy.calls == [("aten._foreach_add_.List", 25, False),
                          ("aten._foreach_div_.Scalar", 25, True),
-                         ("aten._foreach_sqrt.default", 25, sqrt_bounded),
+                         ("aten._foreach_sqrt.default", 25, False),
                          ("aten._foreach_add_.List", 25, True)]
     assert len(spy.log().sites) == 4
 

@@ -652,7 +652,7 @@ def test_step_toward_keeps_rne_when_it_already_went_that_way():
 
 def test_defaults_and_parse():
     assert PrecisionPolicy() == F64_F32
-    assert F64_F32.rules == RULES_VERSION == 4
+    assert F64_F32.rules == RULES_VERSION == 5
     assert PrecisionPolicy.parse("float64->float32") == F64_F32
     assert PrecisionPolicy.parse("float32:bfloat16") == F32_BF16
     assert PrecisionPolicy.parse(" float64 -> float32 ") == F64_F32

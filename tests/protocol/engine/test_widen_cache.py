@@ -97,14 +97,30 @@ def test_the_budget_caps_what_is_kept():
     assert cache.held == 60 * 8 and len(cache.entries) == 1
 
 
-def test_a_span_holds_its_memory_so_no_other_tensor_inherits_it():
-    """An entry keeps its storage alive: a tensor made after the widened one is gone cannot
-    land in the same memory and be served the dead tensor's values."""
+def test_a_tensor_in_the_memory_of_a_dead_one_is_not_served_its_values():
+    """An entry refers to its storage weakly: once the program lets go of a widened tensor its
+    memory is freed and may hold the next tensor, whose widening must be its own."""
     cache = WidenCache(F64)
+    seen, reused = set(), 0
     for k in range(50):
         t = torch.full((256,), float(k))
+        reused += t.data_ptr() in seen
+        seen.add(t.data_ptr())
         assert_widened(cache, t)
         del t
+    assert reused  # (else no memory was handed on and this proves nothing)
+
+
+def test_entries_of_storages_let_go_of_make_room_when_the_budget_is_short():
+    """A dead tensor's entry serves nothing: it is dropped, its wide copy freed, once a new
+    entry would not fit beside it."""
+    cache = WidenCache(F64, budget_bytes=100 * 8)
+    a, b = odd_values(60), odd_values(60)
+    assert_widened(cache, a)
+    del a
+    kept = assert_widened(cache, b)
+    assert cache.held == 60 * 8 and len(cache.entries) == 1
+    assert cache.widen(b).data_ptr() == kept.data_ptr()  # b's own entry
 
 
 def test_a_noted_result_serves_its_views():
