@@ -14,11 +14,13 @@ executor pins TF32 and reduced-precision reductions off).
 The rules:
 - **zero** (`e = 0`): one correctly rounded IEEE operation — add, subtract, multiply — on
   target-representable inputs. IEEE-754 §5.4.1 fixes its result bit for bit.
-- **correctly rounding** (`e = 0`, version 5): square root on target-representable inputs. Its
-  compute-dtype result may differ per machine (torch's CPU kernel is off by up to 0.53 ULP),
-  but no root of a target value lies within 4 compute ULPs (float64; 32 in float32) of a target
-  rounding boundary, so every machine within that rounds to the same target value and nothing
-  is ever in its band (`SQRT_MARGIN_ULPS`).
+- **correctly rounding** (`e = 0`, version 5): square root and division of target-dtype
+  inputs. The compute-dtype result may differ per machine (torch's CPU root is off by up to
+  0.53 ULP, CUDA may divide as a reciprocal and a product), but no root of a target value lies
+  within 4 compute ULPs (float64; 32 in float32) of a target rounding boundary, and no quotient
+  in the normal range within 16 (128), so every machine within that rounds to the same target
+  value and nothing is ever in the band (`SQRT_MARGIN_ULPS`, `QUOTIENT_MARGIN_ULPS`; quotients
+  below 2^-125 keep the relative rule). Here e = 0 certifies the rounding, not the bits.
 - **relative** (`e = 4·n·u·|y|`, u the compute unit roundoff): functions whose documented
   maximum error is `n` ULPs of their own result, `n` the larger of the CPU library's (glibc
   libm, whose x86-64 error table is the bound for SLEEF's `u10` kernels too) and the CUDA Math
@@ -337,10 +339,48 @@ _ROOTS_ROUND_CORRECTLY = frozenset(
     (torch.finfo(compute).eps / 2, target) for (compute, target), margin in SQRT_MARGIN_ULPS.items()
     if 2 * _MAX_ULPS["sqrt"] * (_FLOAT32_FACTOR if compute == torch.float32 else 1.0) < margin)
 
+# Division of target-dtype values (bound rules version 5): e = 0 where the quotient is a normal
+# target value, the relative rule below (`_quotient`). SPEC §3.2.1 lists division among the
+# relative functions (for kernels that divide as a reciprocal and a product); this proof covers
+# those kernels too, and is proposed as an amendment. The same margin argument as the root's:
+# let a = A·2^α and b = B·2^β be target values (integers |A| < 2^p, B odd, |B| < 2^p: every
+# finite nonzero one, subnormals too) with exact quotient q = a/b in [2^E, 2^(E+1)), E ≥ −126,
+# where the target midpoints are m = (2k + 1)·2^(E−p), 2k + 1 ≥ 2^p. Were α < E − p + β,
+# A ≥ 2^(E+β−α)·B > 2^p: impossible; so a is a multiple of 2^(E−p+β), and m·b an odd multiple of
+# it, which a is not (an even multiple where α > E − p + β; else A ≠ (2k + 1)·B ≥ 2^p > |A|).
+# Hence |a − m·b| ≥ 2^(E−p+β) and |q − m| ≥ 2^(E−p+β) / |b| > 2^(E−2p): 2^(p'−2p−1) compute ULPs,
+# 16 for float64 -> float32 and 128 for float32 -> bfloat16. That holds a conforming quotient's
+# error (`_MAX_ULPS`: 1 ULP, a reciprocal and a product on CUDA; doubled in float32, and twice that
+# for the adversary) with the relative rule's band (2e < 8n ULPs) beside it, so near the
+# threshold 2^−125, where two machines may pick different rules, no element is in either band.
+# Below the smallest normal the quotient may be a target midpoint exactly (2^−149 / 2): there the
+# relative rule, as before. The overflow boundary lies in the binade E = 127, covered above.
+QUOTIENT_MARGIN_ULPS = {(torch.float64, torch.float32): 16, (torch.float32, torch.bfloat16): 128}
+_SMALL_QUOTIENT = 2.0**-125
+# (compute dtype's unit roundoff, target dtype) pairs whose quotients round correctly
+_QUOTIENTS_ROUND_CORRECTLY = frozenset(
+    (torch.finfo(compute).eps / 2, target)
+    for (compute, target), margin in QUOTIENT_MARGIN_ULPS.items()
+    if 10 * _MAX_ULPS["div"] * (_FLOAT32_FACTOR if compute == torch.float32 else 1.0) < margin)
+
 # Absolute floors in smallest normals: 1/(1 + exp(-x)) returns 0 where exp(-x) overflows
 # (x < -709.78 in float64, -88.7 in float32) while the exact sigmoid is a subnormal below one
 # smallest normal; silu = x·sigmoid(x) there is below |x| <= 2**10 of them.
 _FLOOR_NORMALS = {"sigmoid": 1.0, "silu": 2.0**10}
+
+
+def _quotient(ctx, func, args, kwargs, ys) -> list[Bound]:
+    """Division of target values (`QUOTIENT_MARGIN_ULPS`): e = 0, except at quotients below
+    2^-125 in magnitude and not zero, which keep the relative rule (where the target's
+    subnormal results lie); decided from each party's own result, which near 2^-125 lies in no
+    band under either rule."""
+    y = ys[0]
+    magnitude = y.abs()
+    small = (magnitude < _SMALL_QUOTIENT) & (magnitude != 0)
+    if not bool(small.any()):
+        return [None]
+    n = _MAX_ULPS["div"] * ctx.ulp_factor
+    return [Affine(4.0 * n * ctx.u, 2.0 * n * ctx.tiny, _f64(magnitude.where(small, 0.0)))]
 
 
 # -- own elementwise rules ---------------------------------------------------------------------
@@ -1307,6 +1347,10 @@ _ZERO = _RULES["mul"]
 # one e = 0 per result), in place or not.
 _CORRECTLY_ROUNDING = Rule("correctly-rounding", _zero, reads_inputs=False, elementwise=True)
 _ROOTS = frozenset({"sqrt", "sqrt_", "_foreach_sqrt", "_foreach_sqrt_"})
+# A quotient of target-dtype values (`QUOTIENT_MARGIN_ULPS`), single or foreach.
+_QUOTIENT = Rule("quotient", _quotient, reads_inputs=False, elementwise=True)
+_QUOTIENT_FOREACH = Rule("quotient", _foreach(_quotient), reads_inputs=False, elementwise=True)
+_QUOTIENTS = frozenset({"div", "div_"})
 
 # The rule of a fixed-formula op (`protocol.engine.pointwise.is_fixed`): ovt computes it as a
 # fixed sequence of correctly rounded IEEE operations, the same bits on every conforming
@@ -1343,6 +1387,11 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
         return own if terms(args, kwargs) * unit_roundoff <= _COMPOSITE_LIMIT else None
     if name in _ROOTS and _roots_round_correctly(args, unit_roundoff):
         return _CORRECTLY_ROUNDING
+    foreach = name.startswith("_foreach_")
+    if name.removeprefix("_foreach_") in _QUOTIENTS and \
+            _arg(args, kwargs, 2, "rounding_mode", None) is None and \
+            _quotients_round_correctly(args, kwargs, unit_roundoff, foreach):
+        return _QUOTIENT_FOREACH if foreach else _QUOTIENT
     rule = _RULES.get(name)
     if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
         return _ZERO  # one IEEE add or subtract: nothing to read
@@ -1361,3 +1410,33 @@ def _roots_round_correctly(args: tuple, unit_roundoff: float) -> bool:
     tensors = x if isinstance(x, (list, tuple)) else [x]
     return all(isinstance(t, torch.Tensor) and (unit_roundoff, t.dtype) in _ROOTS_ROUND_CORRECTLY
                for t in tensors)
+
+
+def _quotients_round_correctly(args: tuple, kwargs: dict, unit_roundoff: float,
+                               foreach: bool) -> bool:
+    """Whether a division's dividends and divisors are all target values of a target dtype
+    whose quotients round correctly in this compute dtype (`QUOTIENT_MARGIN_ULPS`): tensors of
+    that dtype, Python floats (rounded to it before use, SPEC §3.3) or integers it holds
+    exactly. A decision on dtypes and scalars, which every party holds alike."""
+    a = args[0] if args else None
+    b = args[1] if len(args) > 1 else kwargs.get("other")
+    dividends = a if foreach and isinstance(a, (list, tuple)) else [a]
+    dtypes = {t.dtype if isinstance(t, torch.Tensor) else None for t in dividends}
+    if len(dtypes) != 1:
+        return not dividends  # (an empty foreach list: no quotient at all)
+    (target,) = dtypes
+    if target is None or (unit_roundoff, target) not in _QUOTIENTS_ROUND_CORRECTLY:
+        return False
+    divisors = b if foreach and isinstance(b, (list, tuple)) else [b]
+    return all(_target_number(v, target) for v in divisors)
+
+
+def _target_number(v, target: torch.dtype) -> bool:
+    """A divisor that is a `target` value: a tensor of that dtype, a Python float (rounded to
+    it before use), or an integer it holds exactly."""
+    if isinstance(v, torch.Tensor):
+        return v.dtype == target
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, float) or (abs(v) < 2**128 and
+                                    float(torch.tensor(float(v), dtype=target)) == v)

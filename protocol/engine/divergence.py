@@ -8,8 +8,9 @@ own pre-rounding values element by element. The difference is pure hardware dive
 fraction of the element's bound `e` it must stay at most 1 on conforming hardware (each side is
 within `e / 2` of the exact result), and the band absorbs anything up to 2. An element with
 bound 0 must round to the same target value on both: add, subtract and multiply give the same
-compute-dtype bits, a square root of target values may differ in its last compute-dtype bits
-but never in its rounding (`bounds.SQRT_MARGIN_ULPS`).
+compute-dtype bits, a square root or a quotient of target values may differ in its last
+compute-dtype bits but never in its rounding (`bounds.SQRT_MARGIN_ULPS`,
+`bounds.QUOTIENT_MARGIN_ULPS`).
 """
 
 from __future__ import annotations

@@ -434,7 +434,8 @@ class RoundingMode(TorchDispatchMode):
                 or plan.func._overloadname.endswith("out"):  # (an out= form writes its `out`)
             return None
         calls = pointwise.fused_plan(elements, in_place)
-        if calls is None or not claim(plan.name, sum(c.element.a.numel() for c in calls)):
+        if calls is None or pointwise.small_quotients(calls, self._round_scalar) or \
+                not claim(plan.name, sum(c.element.a.numel() for c in calls)):
             return None
         results = pointwise.run_fused(calls, in_place, self._round_scalar)
         if in_place:
@@ -462,7 +463,7 @@ class RoundingMode(TorchDispatchMode):
         arguments) in parts of `PART` elements, each widened, computed and rounded while it is
         in the cache: one site all the same, its values the parts' concatenation
         (`SiteRecorder.round_site_in_parts`), with no compute-dtype copy of a whole operand or
-        result. At GPT-2 width the optimizer's divisions are 91 M elements, whose fresh
+        result. At GPT-2 width the optimizer's ops are 91 M elements, whose fresh
         float64 buffers cost more in page faults than the arithmetic. `(result,)`, or None
         where this does not apply: a rounder that does not round in parts (`rounds_in_parts`,
         looked up on its class, so that a wrapper forwarding attributes to another rounder does

@@ -7,9 +7,12 @@ Three kinds, all with `e = 0`, so their sites never log anything:
 - **one correctly rounded operation** — mul, and add or sub with alpha 1 — on target-dtype
   inputs: every conforming machine returns the same compute-dtype bits (IEEE-754 §5.4.1;
   `bounds._zero`). ATen's kernels compute them as that one operation.
-- **square root** of target-dtype inputs (bound rules version 5): its compute-dtype bits may
-  differ per machine, its rounding never does (`bounds.SQRT_MARGIN_ULPS`). The fused pass
-  computes IEEE's root, the torch ops ATen's; both round to the correctly rounded target value.
+- **square root and division** of target-dtype inputs (bound rules version 5): their
+  compute-dtype bits may differ per machine, their rounding never does
+  (`bounds.SQRT_MARGIN_ULPS`, `bounds.QUOTIENT_MARGIN_ULPS`). The fused pass computes IEEE's
+  root and quotient, the torch ops ATen's; both round to the correctly rounded target value. A
+  quotient below 2^-125 in magnitude keeps a band (`bounds._quotient`): the fused pass leaves
+  a site with one to the widened path (`small_quotients`).
 - **fixed formulas** (bound rules version 2): addcmul, addcdiv and lerp with a scalar weight,
   the optimizer's update terms. ovt does not run ATen's kernels for them — those may contract
   into an FMA, or branch on the weight, differently per machine — but computes them as a fixed
@@ -49,7 +52,8 @@ import torch
 from protocol.engine import fused
 
 # csrc/fused.cpp `Pointwise`
-MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP, SQRT = range(10)
+(MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP, SQRT, DIV_SCALAR,
+ DIV) = range(12)
 
 FIXED = frozenset({"addcmul", "addcdiv", "lerp"})  # computed by formula, never by ATen
 
@@ -65,6 +69,7 @@ _OVERLOADS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "addcdiv": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
     "lerp": (frozenset({"Scalar", "Scalar_out"}), frozenset({"Scalar", "ScalarList"})),
     "sqrt": (frozenset({"default"}), frozenset({"default"})),
+    "div": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
 }
 
 
@@ -150,6 +155,13 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
         return None
     if name == "sqrt":
         return Elementwise(SQRT, a, None, None, 0.0)
+    if name == "div":
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if isinstance(other, torch.Tensor):
+            return Elementwise(DIV, a, other, None, 0.0)
+        if not _number(other) or (isinstance(other, int) and not _float32_value(other)):
+            return None  # (an integer divisor that is no float32 value: the bounded path)
+        return Elementwise(DIV_SCALAR, a, None, None, other)
     if name in ("mul", "add", "sub"):
         other = args[1] if len(args) > 1 else kwargs.get("other")
         alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
@@ -173,6 +185,11 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
     if not (isinstance(end, torch.Tensor) and _number(weight)):
         return None
     return Elementwise(LERP, a, end, None, weight)
+
+
+def _float32_value(n: int) -> bool:
+    """Whether an integer is a float32 value (one the fused pass divides by exactly)."""
+    return abs(n) < 2**128 and float(torch.tensor(float(n), dtype=torch.float32)) == n
 
 
 def fixed_result(e: Elementwise) -> torch.Tensor:
@@ -263,6 +280,24 @@ def _broadcast(small: torch.Size, shape: torch.Size) -> tuple[int, int] | None:
     return math.prod(shape[last + 1:]), math.prod(shape[first:last + 1])
 
 
+def small_quotients(calls: list[FusedCall], round_scalar) -> bool:
+    """Whether a division among `calls` has a quotient below 2^-125 in magnitude, not zero
+    (`torch.ops.ovt.small_quotients`): its site is not one with e = 0 throughout
+    (`bounds._quotient`), so the fused pass does not take it."""
+    for call in calls:
+        e = call.element
+        if e.code in (DIV, DIV_SCALAR) and torch.ops.ovt.small_quotients(
+                e.a, e.b, _scalar(e, round_scalar)):
+            return True
+    return False
+
+
+def _scalar(e: Elementwise, round_scalar) -> float:
+    """The number an element's op uses: a Python float rounded to the target dtype first
+    (SPEC §3.3), as the widened path does; an exact value or an integer as it is."""
+    return round_scalar(e.v) if isinstance(e.v, float) and not e.exact else float(e.v)
+
+
 def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torch.Tensor]:
     """Make the calls (`fused_plan`): each into its element's `a` in place, else into a new
     tensor of the result's shape. `round_scalar` rounds a Python float scalar to the target
@@ -271,8 +306,8 @@ def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torc
     for call in calls:
         e = call.element
         out = e.a if in_place else torch.empty_like(e.a)
-        v = round_scalar(e.v) if isinstance(e.v, float) and not e.exact else float(e.v)
-        torch.ops.ovt.pointwise(e.code, e.a, e.b, e.c, v, out, call.b_inner, call.b_count)
+        torch.ops.ovt.pointwise(e.code, e.a, e.b, e.c, _scalar(e, round_scalar), out,
+                                call.b_inner, call.b_count)
         results.append(out)
     return results
 

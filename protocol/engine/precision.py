@@ -46,8 +46,10 @@ from protocol.errors import ConfigError
 # (`bounds`, "composite ops") instead of being decomposed: one site each where there were up to
 # fifteen. Version 4: layer norm and batch norm (training) run as two sites, their statistics
 # with an own rule and the normalize formula, a fixed formula (`normops`), instead of a dozen
-# primitives. Version 5: square root on target values has e = 0 (`bounds.SQRT_MARGIN_ULPS`)
-# instead of a 1-ULP relative bound, and is computed from target-dtype inputs in one fused pass.
+# primitives. Version 5: square root and division of target values have e = 0
+# (`bounds.SQRT_MARGIN_ULPS`, `bounds.QUOTIENT_MARGIN_ULPS`; quotients below 2^-125 keep a
+# relative bound) instead of a 1-ULP relative bound, and are computed from target-dtype inputs
+# in one fused pass.
 RULES_VERSION = 5
 
 # (compute, target) pairs the engine supports, with the bit-level facts it needs. The compute

@@ -34,6 +34,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -294,6 +295,8 @@ enum Pointwise : int64_t {
   kAddcdiv = 7,    // a + v * (b / c)
   kLerp = 8,       // a + v * (b - a)
   kSqrt = 9,       // sqrt(a): the correctly rounded float32 square root (pointwise.py)
+  kDivScalar = 10, // a / v
+  kDiv = 11,       // a / b
 };
 
 // out[i] = float32(op(a[i], b[i], c[i], v)) for i in [begin, end); compiled for AVX2 too.
@@ -345,6 +348,12 @@ void pointwise_range(int64_t op, const float* a, const float* b, const float* c,
                                                (kQuietNaN32 & negative));
       }
       break;
+    case kDivScalar:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} / v);
+      break;
+    case kDiv:
+      for (int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(double{a[i]} / double{b[i]});
+      break;
     default:
       break;
   }
@@ -388,7 +397,7 @@ void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out,
 void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                const c10::optional<at::Tensor>& c, double v, const at::Tensor& out,
                int64_t b_inner, int64_t b_count) {
-  TORCH_CHECK(op >= kMulScalar && op <= kSqrt, "pointwise: unknown op ", op);
+  TORCH_CHECK(op >= kMulScalar && op <= kDiv, "pointwise: unknown op ", op);
   const int64_t n = a.numel();
   const float* ap = operand(a, n, "a", true);
   operand(out, n, "out", true);
@@ -404,11 +413,36 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
     return;
   }
   const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar &&
-                                          op != kSubScalar && op != kSqrt);
+                                          op != kSubScalar && op != kSqrt && op != kDivScalar);
   const float* cp = operand(c, n, "c", op == kAddcmul || op == kAddcdiv);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     pointwise_range(op, ap, bp, cp, v, outp, begin, end);
   });
+}
+
+// Whether some quotient a[i] / b[i] (a[i] / v where b is None) of float32 operands is nonzero and
+// below 2^-125 in magnitude: a site `pointwise` does not take (pointwise.py `small_quotients`,
+// bounds.py `_quotient`). Each quotient is IEEE's float64 one, as `kDiv` computes it.
+OVT_CLONES
+int64_t count_small_quotients(const float* a, const float* b, double v, int64_t begin,
+                              int64_t end) {
+  int64_t count = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const double q = std::fabs(double{a[i]} / (b != nullptr ? double{b[i]} : v));
+    count += static_cast<int64_t>(q < 0x1p-125) & static_cast<int64_t>(q != 0);
+  }
+  return count;
+}
+
+bool small_quotients(const at::Tensor& a, const c10::optional<at::Tensor>& b, double v) {
+  const int64_t n = a.numel();
+  const float* ap = operand(a, n, "a", true);
+  const float* bp = operand(b, n, "b", b.has_value());
+  std::atomic<int64_t> found{0};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    found += count_small_quotients(ap, bp, v, begin, end);
+  });
+  return found.load() != 0;
 }
 
 // The normalize formulas of normops.py (`normalize`, `normalize_backward`), computed straight
@@ -1370,6 +1404,7 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");
+  lib.def("small_quotients(Tensor a, Tensor? b, float v) -> bool");
   lib.def(
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
   lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -1395,6 +1430,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("nearest", &nearest);
   lib.impl("pointwise", &pointwise);
+  lib.impl("small_quotients", &small_quotients);
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
   lib.impl("norms", &norms);

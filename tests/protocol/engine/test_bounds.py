@@ -1216,6 +1216,84 @@ def test_every_float32_root_rounds_alike_three_ulps_either_side():
             assert _roots_round_alike(bits.view(np.float32), 3), hex(lo)
 
 
+def _quotients_round_alike(a: np.ndarray, b: np.ndarray, steps: int) -> bool:
+    """For float32 dividends `a` and divisors `b`: whether every float64 within `steps` ULPs of
+    the correctly rounded float64 quotient rounds to the correctly rounded float32 quotient
+    (the hardware's float32 division)."""
+    with np.errstate(all="ignore"):
+        want = torch.from_numpy(a / b)  # float32 division: IEEE, correctly rounded
+        exact = a.astype(np.float64) / b.astype(np.float64)
+    bits = torch.from_numpy(exact.view(np.int64))
+    return all(torch.equal((bits + k).view(torch.float64).float(), want)
+               for k in range(-steps, steps + 1))
+
+
+def test_quotients_nearest_to_float32_midpoints_round_alike_fifteen_ulps_either_side():
+    """The worst inputs for division: for divisors of every magnitude (subnormals among them),
+    the float32 dividends nearest to m·b, m a float32 rounding midpoint of a normal binade
+    (m·b exact in float64), and their neighbours: each quotient moved up to 15 float64 ULPs
+    either way rounds alike (the margin is 16, `QUOTIENT_MARGIN_ULPS`); so do the binades by
+    the overflow threshold. Quotients below the smallest normal are the relative rule's."""
+    rng = np.random.default_rng(97)
+    n = 2**17
+    b = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(-149, 100, n)).astype(np.float32)
+    b = np.where(b == 0, np.float32(2.0**-149), b)
+    binade = rng.integers(-126, 128, n)
+    m = (2 * rng.integers(2**23, 2**24, n) + 1) * 2.0 ** (binade - 24.0)
+    with np.errstate(all="ignore"):
+        a = (m * b.astype(np.float64)).astype(np.float32)
+    ok = np.isfinite(a) & (a != 0)
+    a, b = a[ok], b[ok]
+    cases = [(a, b), (np.nextafter(a, np.float32(0)), b), (np.nextafter(a, np.float32(np.inf)), b)]
+    for x, y in cases:
+        with np.errstate(all="ignore"):
+            normal = np.abs(x.astype(np.float64) / y) >= 2.0**-126
+        assert normal.sum() > n // 2
+        assert _quotients_round_alike(x[normal], y[normal], 15)
+
+
+def test_division_of_target_values_is_a_quotient_rule_and_of_wide_values_relative():
+    """Bound rules version 5: division of target-dtype values — tensors, Python floats (rounded
+    to the target first) and integers the target holds — has the quotient rule, in every form;
+    of compute-dtype values, or by an integer the target does not hold, the relative rule; with
+    a rounding mode, none (decomposed)."""
+    x, y = torch.tensor([3.0, 5.0]), torch.tensor([7.0, 0.5])
+    u = POLICY.unit_roundoff
+    quotient = [(aten.div.Tensor, (x, y)), (aten.div_.Tensor, (x, y)),
+                (aten.div.Scalar, (x, 1.7)), (aten.div.Scalar, (x, 3)),
+                (aten._foreach_div.List, ([x, x], [y, y])),
+                (aten._foreach_div_.ScalarList, ([x, x], [1.3, 7])),
+                (aten._foreach_div.Scalar, ([x], 0.1))]
+    for func, args in quotient:
+        rule = rule_of(func, args, {}, u)
+        assert rule is not None and rule.name == "quotient", func
+    relative = [(aten.div.Tensor, (x.double(), y)), (aten.div.Tensor, (x, y.double())),
+                (aten.div.Scalar, (x, 2**40 + 1)), (aten._foreach_div.List, ([x], [y.double()]))]
+    for func, args in relative:
+        rule = rule_of(func, args, {}, u)
+        assert rule is not None and rule.name.startswith("relative"), func
+    assert rule_of(aten.div.Tensor_mode, (x, y), {"rounding_mode": "floor"}, u) is None
+
+
+def test_the_quotient_rule_bounds_only_quotients_below_two_to_the_minus_125():
+    """e = 0 for a site whose quotients are all zero, non-finite or at least 2^-125 in
+    magnitude; where some are not, those have the relative rule's bound and the others its
+    floor alone (no band: their margin holds it)."""
+    x = torch.tensor([3.0, 2.0**-140, 0.0, float("inf"), 2.0**-149], dtype=torch.float32)
+    func = aten.div.Scalar
+    rule = rule_of(func, (x[[0, 2, 3]], 2.0), {}, POLICY.unit_roundoff)
+    y = x[[0, 2, 3]].double() / 2.0
+    assert bounds_for(CTX, rule, func, (x[[0, 2, 3]].double(), 2.0), {}, [y]) == [None]
+    y = x.double() / 2.0
+    (e,) = bounds_for(CTX, rule, func, (x.double(), 2.0), {}, [y])
+    got = dense_bound(e, y)
+    relative = rule_of(func, (x.double(), 2.0), {}, POLICY.unit_roundoff)
+    (r,) = bounds_for(CTX, relative, func, (x.double(), 2.0), {}, [y])
+    want = dense_bound(r, y)
+    small = torch.tensor([False, True, False, False, True])
+    assert torch.equal(got[small], want[small]) and (got[~small] < 2.0**-1000).all()
+
+
 def test_every_bfloat16_root_rounds_alike_thirty_one_ulps_either_side():
     """The float32 -> bfloat16 policy, exhaustively over positive finite bfloat16 values: every
     float32 within 31 ULPs of the correctly rounded float32 root (the margin is 32) rounds to

@@ -19,7 +19,7 @@ import torch
 from protocol.cli import program as program_cli
 from protocol.codec.roundinglog import RoundingLog, SiteLog
 from protocol.codec.state import state_digest
-from protocol.engine import divergence, interceptor, rounding
+from protocol.engine import divergence, fused, interceptor, rounding
 from protocol.engine.executor import Executor
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import PrecisionPolicy
@@ -46,14 +46,13 @@ OPS = [
     ("exp", lambda xs: xs[0].exp()),
     ("rsqrt", lambda xs: xs[0].rsqrt()),
     ("erf", lambda xs: xs[0].erf()),
-    ("div.Tensor", lambda xs: xs[0] / xs[0].flip(0)),
-    ("div.Scalar", lambda xs: xs[0] / 3.1),
+    ("pow.Tensor_Tensor", lambda xs: xs[0] ** xs[0].flip(0)),
     ("pow.Tensor_Scalar", lambda xs: xs[0] ** 1.7),
     ("_foreach_exp", lambda xs: torch._foreach_exp(xs)),
-    ("_foreach_div_.ScalarList", lambda xs: torch._foreach_div_(xs, [1.3, 2.7, 0.5, 3.3])),
-    ("_foreach_div.List", lambda xs: torch._foreach_div(xs, [x.flip(0) for x in xs])),
-    ("div_.Scalar", lambda xs: xs[0].div_(0.7)),
-    ("_foreach_div_ aliased", lambda xs: torch._foreach_div_([xs[0], xs[0]], [1.3, 2.7])),
+    ("_foreach_pow_.ScalarList", lambda xs: torch._foreach_pow_(xs, [1.3, 2.7, 0.5, 3.3])),
+    ("_foreach_pow.List", lambda xs: torch._foreach_pow(xs, [x.flip(0) for x in xs])),
+    ("pow_.Scalar", lambda xs: xs[0].pow_(0.7)),
+    ("_foreach_pow_ aliased", lambda xs: torch._foreach_pow_([xs[0], xs[0]], [1.3, 2.7])),
 ]
 # correctly rounded (e = 0): under the float64 -> float32 policy the fused pointwise pass takes
 # them first, under float32 -> bfloat16 the parts path
@@ -61,6 +60,11 @@ EXACT_OPS = [
     ("sqrt", lambda xs: xs[0].sqrt()),
     ("sqrt_", lambda xs: xs[0].sqrt_()),
     ("_foreach_sqrt", lambda xs: torch._foreach_sqrt(xs)),
+    ("div.Tensor", lambda xs: xs[0] / xs[0].flip(0)),
+    ("div.Scalar", lambda xs: xs[0] / 3.1),
+    ("_foreach_div_.ScalarList", lambda xs: torch._foreach_div_(xs, [1.3, 2.7, 0.5, 3.3])),
+    ("_foreach_div.List", lambda xs: torch._foreach_div(xs, [x.flip(0) for x in xs])),
+    ("div_.Scalar", lambda xs: xs[0].div_(0.7)),
     ("mul.Tensor", lambda xs: xs[0] * xs[0].flip(0)),
     ("mul_.Scalar", lambda xs: xs[0].mul_(1.1)),
     ("_foreach_mul_.Scalar", lambda xs: torch._foreach_mul_(xs, 0.9)),
@@ -68,7 +72,7 @@ EXACT_OPS = [
     ("mul complex scalar", lambda xs: xs[0] * 1j),
 ]
 # the parts path passes these by (aliased in-place writes; a complex scalar)
-WHOLE = {"_foreach_div_ aliased", "mul complex scalar"}
+WHOLE = {"_foreach_pow_ aliased", "mul complex scalar"}
 
 
 def _results(out, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -148,6 +152,17 @@ def test_correctly_rounded_sites_in_parts_are_the_whole(name, call, monkeypatch)
     _both_ways(name, call, BF16, 2.0**-24, monkeypatch, used=name not in WHOLE)
 
 
+@pytest.mark.parametrize("policy", [POLICY, BF16], ids=["float32", "bfloat16"])
+def test_tiny_quotients_keep_their_band_in_parts_and_whole(policy, monkeypatch):
+    """Quotients in the target's subnormal range keep the relative rule (`bounds._quotient`):
+    halves of subnormals, ties among them, are logged alike in parts and whole, and the fused
+    pass does not take their site."""
+    scale = 2.0**-148 if policy is POLICY else 2.0**-131
+    log = _both_ways("tiny", lambda xs: (xs[0] * scale) / 2.0, policy, policy.unit_roundoff,
+                     monkeypatch)
+    assert sum(s.indices.size + s.value_indices.size for s in log.sites) > 20
+
+
 def _tampered(log: RoundingLog, kinds: str) -> RoundingLog:
     """The log with invalid entries added: for each of `kinds` ("direction" or "value", in
     order), one in the first part after the last one's: a direction at an element far from any
@@ -171,7 +186,7 @@ def _tampered(log: RoundingLog, kinds: str) -> RoundingLog:
 
 @pytest.mark.parametrize("kinds", ["direction", "value", "value,direction", "value,value",
                                    "direction,value"])
-@pytest.mark.parametrize("name", ["exp", "_foreach_exp", "_foreach_div_.ScalarList"])
+@pytest.mark.parametrize("name", ["exp", "_foreach_exp", "_foreach_pow_.ScalarList"])
 def test_violations_in_parts_are_reported_as_in_the_whole(name, kinds, monkeypatch):
     """Invalid entries in later parts: the same LogViolationError (site, op, index, text) in
     parts as whole — the whole path checks a result's directions before its values, so an
@@ -272,8 +287,11 @@ def test_the_program_check_tally_counts_sites_rounded_in_parts(monkeypatch):
 @pytest.mark.parametrize("program", ["char-transformer", "token-lm"])  # (both AdamW)
 def test_whole_steps_with_the_optimizer_in_parts(program, monkeypatch):
     """A program's steps with every elementwise site from 2048 elements in parts (the
-    optimizer's divisions among them): the same logs and states as whole, and
-    each log replays to the recorded state the other way."""
+    optimizer's square roots and divisions among them, the fused passes being off, which would
+    take them): the same logs and states as whole, and each log replays to the recorded state
+    the other way."""
+    monkeypatch.setattr(fused, "ENABLED", False)
+
     def executor(threads: int) -> Executor:
         return Executor(load_program(program, preset="test"), seed=5, policy=POLICY,
                         profile=Profile.parse(f"threads={threads}"))

@@ -217,6 +217,75 @@ def test_roots_of_negatives_zeros_and_nans_are_the_torch_paths_bits():
     assert torch.equal(out["torch"], a.double().sqrt().float().view(torch.int32))
 
 
+def quotient_operands(seed: int, n: int = 3001) -> tuple[np.ndarray, np.ndarray]:
+    """Dividends and divisors from 2^-60 to 2^60 of both signs, with zeros, infinities and NaNs
+    among both: no quotient lies below 2^-125 but zeros (`bounds._quotient`)."""
+    rng = np.random.default_rng(seed)
+    a, b = ((rng.uniform(1, 2, (2, n)) * 2.0 ** rng.integers(-60, 61, (2, n)) *
+             rng.choice([-1, 1], (2, n))).astype(np.float32))
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], dtype=np.float32)
+    a[:5], b[5:10] = specials, specials
+    return a, b
+
+
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_quotients_round_correctly_in_every_form(path, monkeypatch):
+    """Division of float32 values, by a tensor, a float (rounded to float32 first) or an
+    integer, single, in place and foreach, gives the correctly rounded float32 quotient
+    (numpy's float32 division, IEEE) on either path, each call one site that logs nothing."""
+    if path == "fused" and fused.MISSING is not None:
+        pytest.skip(f"the fused passes are not built: {fused.MISSING}")
+    monkeypatch.setattr(fused, "ENABLED", path == "fused")
+    a, b = quotient_operands(13)
+    with np.errstate(all="ignore"):
+        wants = {"by tensor": a / b, "by float": a / np.float32(0.3), "by int": a / np.float32(3)}
+    pieces = np.split(np.arange(a.size), [300, 301])
+    calls = {
+        "by tensor": [lambda: [torch.div(T(a), T(b))], lambda: [T(a.copy()).div_(T(b))],
+                      lambda: torch._foreach_div([T(a[i]) for i in pieces],
+                                                 [T(b[i]) for i in pieces])],
+        "by float": [lambda: [T(a) / 0.3], lambda: [T(a.copy()).div_(0.3)],
+                     lambda: _in_place_foreach_div([T(a[i].copy()) for i in pieces], 0.3)],
+        "by int": [lambda: [T(a) / 3],
+                   lambda: _in_place_foreach_div([T(a[i].copy()) for i in pieces], [3] * 3)],
+    }
+    for kind, forms in calls.items():
+        for form, call in enumerate(forms):
+            rec = Exact()
+            with RoundingMode(POLICY, rec):
+                out = call()
+            what = f"{kind} form {form} ({path})"
+            assert_bits(torch.cat(out), wants[kind], what)
+            assert [site.numel for site in rec.sites] == [a.size], what
+            assert not any(site.indices.size or site.value_indices.size
+                           for site in rec.sites), what
+            assert len(rec.claimed) == (1 if path == "fused" else 0), what
+
+
+def _in_place_foreach_div(xs: list[torch.Tensor], by) -> list[torch.Tensor]:
+    torch._foreach_div_(xs, by)
+    return xs
+
+
+@needs_fused
+def test_small_quotients_leave_the_fused_pass_and_keep_their_band():
+    """Quotients in float32's subnormal range keep the relative rule (halves of odd multiples
+    of 2^-149 are ties, logged): the fused pass does not take such a site, and both paths log
+    and return the same bits."""
+    a = np.arange(1, 4001, dtype=np.float32) * np.float32(2.0**-149)
+    logs, outs = {}, {}
+    for path in ("fused", "torch"):
+        rec = Exact()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "ENABLED", path == "fused")
+            with RoundingMode(POLICY, rec):
+                outs[path] = T(a) / 2.0
+        assert not rec.claimed
+        logs[path] = rec.log()
+    assert logs["fused"] == logs["torch"] and torch.equal(outs["fused"], outs["torch"])
+    assert logs["fused"].sites[0].indices.size == 2000  # the odd multiples
+
+
 def _in_place_foreach_sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     torch._foreach_sqrt_(xs)
     return xs
