@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from protocol.engine import fused, normops
-from protocol.engine.precision import PrecisionPolicy, target_ulp
+from protocol.engine.precision import PrecisionPolicy, holds_integer, target_ulp
 
 SAFETY = 2.0
 
@@ -1438,5 +1438,4 @@ def _target_number(v, target: torch.dtype) -> bool:
         return v.dtype == target
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
-    return isinstance(v, float) or (abs(v) < 2**128 and
-                                    float(torch.tensor(float(v), dtype=target)) == v)
+    return isinstance(v, float) or holds_integer(target, v)

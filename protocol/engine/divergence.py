@@ -133,8 +133,9 @@ class ComparingReplayer(SiteReplayer):
         entry.elements += mine.numel()
         entry.differing += int((diff > 0).sum())
         bound = torch.zeros_like(diff) if e is None else e.detach().cpu().to(diff.dtype)
-        apart = (diff > 0) & (mine.to(target) != theirs.to(target)) & \
-            ~(mine.isnan() & theirs.isnan())
+        ours, others = mine.to(target), theirs.to(target)  # (their bits: +0 and −0 differ)
+        bits = torch.int32 if target.itemsize == 4 else torch.int16
+        apart = (ours.view(bits) != others.view(bits)) & ~(ours.isnan() & others.isnan())
         entry.zero_bound_rounded_apart += int(((bound == 0) & apart).sum())
         positive = bound > 0
         if bool(positive.any()):

@@ -149,6 +149,7 @@ class WidenCache:
     def __init__(self, compute: torch.dtype, budget_bytes: int = 2**30) -> None:
         self.compute, self.budget, self.held = compute, budget_bytes, 0
         self.entries: dict[tuple, list[_Span]] = {}  # per storage (`_storage_key`)
+        self._wait = 0  # shortages to pass before the next sweep (`fits`)
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """`t.to(self.compute)`, as a view of a cached span where one covers `t`."""
@@ -173,7 +174,10 @@ class WidenCache:
         current = [span for span in spans if span.serves(storage, version)]
         if len(current) < len(spans):  # the others are of no use
             self.held -= sum(span.size for span in spans) - sum(span.size for span in current)
-            self.entries[key] = current
+            if current:
+                self.entries[key] = current
+            else:
+                del self.entries[key]
         wide = t.as_strided((length,), (1,), first).to(self.compute)
         self._add(key, _Span(StorageWeakRef(storage), version, first, wide, _bytes(wide)))
         return wide.as_strided(t.shape, t.stride(), 0)
@@ -186,18 +190,29 @@ class WidenCache:
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` would be kept; where the budget is short, first drops
-        the entries whose storage the program has let go of."""
+        the entries whose storage the program has let go of (`_sweep`) — after a sweep that
+        dropped nothing, only once as many shortages again as there are storages have passed,
+        so that a cache full of live entries costs no walk over them at every op."""
         if self.held + nbytes > self.budget:
-            for key, spans in list(self.entries.items()):
-                alive = [span for span in spans if not span.source.expired()]
-                if len(alive) < len(spans):
-                    self.held -= sum(span.size for span in spans) - \
-                        sum(span.size for span in alive)
-                    if alive:
-                        self.entries[key] = alive
-                    else:
-                        del self.entries[key]
+            if self._wait:
+                self._wait -= 1
+            elif not self._sweep():
+                self._wait = len(self.entries)
         return self.held + nbytes <= self.budget
+
+    def _sweep(self) -> bool:
+        """Drop the spans whose storage the program has let go of; whether there were any."""
+        dropped = False
+        for key, spans in list(self.entries.items()):
+            alive = [span for span in spans if not span.source.expired()]
+            if len(alive) < len(spans):
+                dropped = True
+                self.held -= sum(span.size for span in spans) - sum(span.size for span in alive)
+                if alive:
+                    self.entries[key] = alive
+                else:
+                    del self.entries[key]
+        return dropped
 
     def _add(self, key: tuple, span: _Span) -> None:
         if self.fits(span.size):

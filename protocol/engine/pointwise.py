@@ -50,6 +50,7 @@ from typing import TypeGuard
 import torch
 
 from protocol.engine import fused
+from protocol.engine.precision import holds_integer
 
 # csrc/fused.cpp `Pointwise`
 (MUL_SCALAR, MUL, ADD_SCALAR, ADD, SUB_SCALAR, SUB, ADDCMUL, ADDCDIV, LERP, SQRT, DIV_SCALAR,
@@ -159,7 +160,8 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
         other = args[1] if len(args) > 1 else kwargs.get("other")
         if isinstance(other, torch.Tensor):
             return Elementwise(DIV, a, other, None, 0.0)
-        if not _number(other) or (isinstance(other, int) and not _float32_value(other)):
+        if not _number(other) or (isinstance(other, int) and
+                                  not holds_integer(torch.float32, other)):
             return None  # (an integer divisor that is no float32 value: the bounded path)
         return Elementwise(DIV_SCALAR, a, None, None, other)
     if name in ("mul", "add", "sub"):
@@ -185,11 +187,6 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
     if not (isinstance(end, torch.Tensor) and _number(weight)):
         return None
     return Elementwise(LERP, a, end, None, weight)
-
-
-def _float32_value(n: int) -> bool:
-    """Whether an integer is a float32 value (one the fused pass divides by exactly)."""
-    return abs(n) < 2**128 and float(torch.tensor(float(n), dtype=torch.float32)) == n
 
 
 def fixed_result(e: Elementwise) -> torch.Tensor:

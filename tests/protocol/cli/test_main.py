@@ -207,7 +207,8 @@ def test_replay_check_json_is_bit_exact(json_runs):
     assert divergence, "probe step 1 measures per-op divergence"
     assert set(next(iter(divergence.values()))) == {
         "sites", "elements", "differing", "max_fraction_of_bound", "zero_bound_rounded_apart"}
-    # conforming hardware stays within its certified bounds, and ops with bound 0 never differ
+    # conforming hardware stays within its certified bounds, and ops with bound 0 never round
+    # apart
     assert all(0 <= d["max_fraction_of_bound"] <= 1 for d in divergence.values())
     assert all(d["zero_bound_rounded_apart"] == 0 for d in divergence.values())
     differing = [op for op, d in divergence.items() if d["differing"] > 0]

@@ -123,6 +123,30 @@ def test_entries_of_storages_let_go_of_make_room_when_the_budget_is_short():
     assert cache.widen(b).data_ptr() == kept.data_ptr()  # b's own entry
 
 
+def test_a_cache_full_of_live_entries_is_not_walked_at_every_op(monkeypatch):
+    """While every entry's storage is alive, a sweep frees nothing: after one, the cache lets as
+    many shortages pass as it has storages before the next; a storage let go of is still
+    dropped within that many."""
+    cache = WidenCache(F64, budget_bytes=10 * 8 * 8)
+    live = [odd_values(8) for _ in range(10)]
+    for t in live:
+        assert_widened(cache, t)
+    sweeps = []
+    real = cache._sweep
+    monkeypatch.setattr(cache, "_sweep", lambda: sweeps.append(1) or real())
+    for _ in range(110):
+        assert_widened(cache, odd_values(8))  # short every time, nothing to drop
+    assert 1 <= len(sweeps) <= 110 // 10 + 1
+    del live[0]
+    kept = []
+    for _ in range(12):
+        t = odd_values(8)
+        assert_widened(cache, t)
+        kept.append(t)  # (alive: its entry stays)
+    assert cache.held == 10 * 8 * 8 and len(cache.entries) == 10
+    assert any((t.untyped_storage().data_ptr(), t.device) in cache.entries for t in kept)
+
+
 def test_a_noted_result_serves_its_views():
     cache = WidenCache(F64)
     r = odd_values(5, 7)
@@ -263,7 +287,7 @@ def test_nothing_is_rounded_in_place_once_the_cache_is_full():
             return super().round_result_in_place(op, y, bound)
 
     x = torch.randn(64, 64)
-    for budget, expected in ((512 * 2**20, 2), (64 * 64 * 12 - 1, 0)):
+    for budget, expected in ((512 * 2**20, 2), (64 * 64 * 8 - 1, 0)):
         Counting.in_place = 0
         mode = RoundingMode(POLICY, Counting(POLICY))
         mode._widened.budget = budget
