@@ -201,7 +201,9 @@ def test_replay_check_json_is_bit_exact(json_runs):
     for s in report["steps"]:
         assert s["equal"] is True and s["trainer_hash"] == s["auditor_hash"]
         assert len(s["trainer_hash"]) == 64
-        assert s["log_bytes"] > 0 and 0 < s["log_entries"] < s["rounded_elements"]
+        assert s["log_bytes"] > 0 and 0 <= s["log_entries"] < s["rounded_elements"]
+    assert sum(s["log_entries"] for s in report["steps"]) > 0  # (a step of this tiny CNN may
+    # log nothing: about 1 element in 10^4 lies in a band)
     assert len({s["trainer_hash"] for s in report["steps"]}) == 3
     divergence = report["divergence"]
     assert divergence, "probe step 1 measures per-op divergence"
