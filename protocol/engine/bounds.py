@@ -1346,11 +1346,11 @@ _ZERO = _RULES["mul"]
 # A square root of target-dtype values (`SQRT_MARGIN_ULPS`), single or foreach (`_zero` gives
 # one e = 0 per result), in place or not.
 _CORRECTLY_ROUNDING = Rule("correctly-rounding", _zero, reads_inputs=False, elementwise=True)
-_ROOTS = frozenset({"sqrt", "sqrt_", "_foreach_sqrt", "_foreach_sqrt_"})
+_ROOTS = frozenset({"sqrt", "sqrt_"})  # (and their `_foreach_` forms)
 # A quotient of target-dtype values (`QUOTIENT_MARGIN_ULPS`), single or foreach.
 _QUOTIENT = Rule("quotient", _quotient, reads_inputs=False, elementwise=True)
 _QUOTIENT_FOREACH = Rule("quotient", _foreach(_quotient), reads_inputs=False, elementwise=True)
-_QUOTIENTS = frozenset({"div", "div_"})
+_QUOTIENTS = frozenset({"div", "div_"})  # (and their `_foreach_` forms)
 
 # The rule of a fixed-formula op (`protocol.engine.pointwise.is_fixed`): ovt computes it as a
 # fixed sequence of correctly rounded IEEE operations, the same bits on every conforming
@@ -1385,13 +1385,12 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if composite is not None:
         own, terms = composite
         return own if terms(args, kwargs) * unit_roundoff <= _COMPOSITE_LIMIT else None
-    if name in _ROOTS and _roots_round_correctly(args, unit_roundoff):
+    family = name.removeprefix("_foreach_")
+    if family in _ROOTS and _roots_round_correctly(args, unit_roundoff):
         return _CORRECTLY_ROUNDING
-    foreach = name.startswith("_foreach_")
-    if name.removeprefix("_foreach_") in _QUOTIENTS and \
-            _arg(args, kwargs, 2, "rounding_mode", None) is None and \
-            _quotients_round_correctly(args, kwargs, unit_roundoff, foreach):
-        return _QUOTIENT_FOREACH if foreach else _QUOTIENT
+    if family in _QUOTIENTS and _arg(args, kwargs, 2, "rounding_mode", None) is None and \
+            _quotients_round_correctly(args, kwargs, unit_roundoff):
+        return _QUOTIENT if family == name else _QUOTIENT_FOREACH
     rule = _RULES.get(name)
     if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
         return _ZERO  # one IEEE add or subtract: nothing to read
@@ -1412,22 +1411,21 @@ def _roots_round_correctly(args: tuple, unit_roundoff: float) -> bool:
                for t in tensors)
 
 
-def _quotients_round_correctly(args: tuple, kwargs: dict, unit_roundoff: float,
-                               foreach: bool) -> bool:
+def _quotients_round_correctly(args: tuple, kwargs: dict, unit_roundoff: float) -> bool:
     """Whether a division's dividends and divisors are all target values of a target dtype
     whose quotients round correctly in this compute dtype (`QUOTIENT_MARGIN_ULPS`): tensors of
     that dtype, Python floats (rounded to it before use, SPEC §3.3) or integers it holds
     exactly. A decision on dtypes and scalars, which every party holds alike."""
     a = args[0] if args else None
     b = args[1] if len(args) > 1 else kwargs.get("other")
-    dividends = a if foreach and isinstance(a, (list, tuple)) else [a]
+    dividends = a if isinstance(a, (list, tuple)) else [a]
     dtypes = {t.dtype if isinstance(t, torch.Tensor) else None for t in dividends}
     if len(dtypes) != 1:
         return not dividends  # (an empty foreach list: no quotient at all)
     (target,) = dtypes
     if target is None or (unit_roundoff, target) not in _QUOTIENTS_ROUND_CORRECTLY:
         return False
-    divisors = b if foreach and isinstance(b, (list, tuple)) else [b]
+    divisors = b if isinstance(b, (list, tuple)) else [b]
     return all(_target_number(v, target) for v in divisors)
 
 
