@@ -279,15 +279,22 @@ def _zero(ctx, func, args, kwargs, ys) -> list[Bound]:
 
 
 def _relative(max_ulps: float, floor_normals: float = 0.0) -> RuleFn:
-    """e = 4·n·u·|y| + 2·n·tiny (+ 2·floor_normals·smallest normal): n ULPs of y are at most
-    n·2u·|y|, and e is twice that; `tiny` units cover underflow to subnormals, and the normal
-    floor a kernel whose intermediate overflows where the exact result is subnormal."""
+    """The relative rule of an op documented to err by `max_ulps` ULPs (`_relative_bound`)."""
     def rule(ctx, func, args, kwargs, ys) -> list[Bound]:
-        n = max_ulps * ctx.ulp_factor
-        c = 4.0 * n * ctx.u
-        floor = 2.0 * n * ctx.tiny + 2.0 * floor_normals * ctx.smallest_normal
-        return [Affine(c, floor)] * len(ys)
+        return [_relative_bound(ctx, max_ulps, floor_normals)] * len(ys)
     return rule
+
+
+def _relative_bound(ctx: BoundContext, max_ulps: float, floor_normals: float = 0.0,
+                    m: torch.Tensor | None = None) -> Affine:
+    """e = 4·n·u·|y| + 2·n·tiny (+ 2·floor_normals·smallest normal), n = `max_ulps` (doubled
+    for a float32 compute dtype): n ULPs of y are at most n·2u·|y|, and e is twice that; `tiny`
+    units cover underflow to subnormals, and the normal floor a kernel whose intermediate
+    overflows where the exact result is subnormal. With `m`, the magnitudes it holds stand for
+    |y| (`Affine`)."""
+    n = max_ulps * ctx.ulp_factor
+    floor = 2.0 * n * ctx.tiny + 2.0 * floor_normals * ctx.smallest_normal
+    return Affine(4.0 * n * ctx.u, floor, m)
 
 
 # Documented maximum errors in ULPs of the result, double precision: the larger of glibc's
@@ -379,8 +386,23 @@ def _quotient(ctx, func, args, kwargs, ys) -> list[Bound]:
     small = (magnitude < _SMALL_QUOTIENT) & (magnitude != 0)
     if not bool(small.any()):
         return [None]
-    n = _MAX_ULPS["div"] * ctx.ulp_factor
-    return [Affine(4.0 * n * ctx.u, 2.0 * n * ctx.tiny, _f64(magnitude.where(small, 0.0)))]
+    return [_relative_bound(ctx, _MAX_ULPS["div"], m=_f64(magnitude.where(small, 0.0)))]
+
+
+def conforming_error(ctx: BoundContext, op: str) -> Affine | None:
+    """For a site named `op` ('aten.sqrt.default', 'aten._foreach_div_.List') that is a square
+    root or a division: the relative rule's bound for its documented error (`_MAX_ULPS`). A
+    conforming machine's compute-dtype result errs by at most half of it (e / SAFETY) even where
+    the site's rule gives e = 0 — roots and quotients of target values, whose e = 0 certifies
+    the rounding, not the compute-dtype bits (`SQRT_MARGIN_ULPS`, `QUOTIENT_MARGIN_ULPS`). None
+    for any other op: its e = 0, where it has one, is that of an exact operation. The bound
+    adversary moves such sites by it (rounding.py `BoundAdversary`)."""
+    family = op.split(".")[1].removeprefix("_foreach_") if op.count(".") >= 2 else ""
+    if family in _ROOTS:
+        return _relative_bound(ctx, _MAX_ULPS["sqrt"])
+    if family in _QUOTIENTS:
+        return _relative_bound(ctx, _MAX_ULPS["div"])
+    return None
 
 
 # -- own elementwise rules ---------------------------------------------------------------------

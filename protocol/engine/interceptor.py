@@ -325,7 +325,8 @@ class RoundingMode(TorchDispatchMode):
     a site with e = 0 without seeing its values (the fused pointwise pass); a rounder that must
     see every site's values (a probe) declines, and so must a wrapper that forwards unknown
     attributes to another rounder, unless passing the site over is right for it too (the bound
-    adversary leaves e = 0 sites as they are). `randomness` serves the step's RANDOM ops;
+    adversary passes over exact operations, and takes roots and quotients wide: its own
+    `claim_exact_site`). `randomness` serves the step's RANDOM ops;
     without it they are refused.
     """
 

@@ -61,7 +61,7 @@ from protocol.engine.bounds import (
     rule_of,
 )
 from protocol.engine.interceptor import RoundingMode
-from protocol.engine.precision import _FORMATS, PrecisionPolicy, target_ulp
+from protocol.engine.precision import _FORMATS, PrecisionPolicy, target_ulp, toward_boundary
 from protocol.engine.rounding import SiteRecorder
 from protocol.engine.splitk import SplitK
 from tests.protocol.engine.exact_sums import (
@@ -71,6 +71,7 @@ from tests.protocol.engine.exact_sums import (
     cumsum_ratios,
     reduce_owner,
 )
+from tests.protocol.engine.worst_cases import root_inputs, worst_quotients
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -1197,11 +1198,7 @@ def test_roots_nearest_to_float32_midpoints_round_alike_three_ulps_either_side()
     either way rounds alike (the margin is 4, `SQRT_MARGIN_ULPS`), and at 4 one does not (the
     proof's margin is attained: 4 − 2^−22). Every other binade is these scaled by a power of 4
     (the roots by a power of 2)."""
-    k = np.concatenate([np.arange(2**23, 2**23 + 2**16), np.arange(2**24 - 2**16, 2**24),
-                        np.random.default_rng(83).integers(2**23, 2**24, size=2**17)])
-    nearest = (((2 * k + 1) * 2.0**-24) ** 2).astype(np.float32)
-    a = np.concatenate([nearest, np.nextafter(nearest, np.float32(0)),
-                        np.nextafter(nearest, np.float32(8)), [np.float32(SQRT_WITNESS)]])
+    a = np.concatenate([root_inputs(83), [np.float32(SQRT_WITNESS)]])
     assert _roots_round_alike(a, 3)
     assert not _roots_round_alike(a, 4)
 
@@ -1250,6 +1247,40 @@ def test_quotients_nearest_to_float32_midpoints_round_alike_fifteen_ulps_either_
             normal = np.abs(x.astype(np.float64) / y) >= 2.0**-126
         assert normal.sum() > n // 2
         assert _quotients_round_alike(x[normal], y[normal], 15)
+
+
+def test_the_worst_quotients_attain_the_margin_in_every_binade():
+    """The proof's least distance is attained (`worst_quotients`): for divisors B near 2^24, a
+    quotient a / B lies exactly 2^−24 / B from a float32 midpoint, between 16 and 16.001
+    float64 ULPs; scaled into every normal binade, of either sign, each moved 15 ULPs either way
+    rounds alike (the margin is 16, `QUOTIENT_MARGIN_ULPS`) and moved 17 toward that midpoint
+    it does not."""
+    divisors = [b for b in range(2**24 - 1, 2**24 - 8000, -2)]
+    a, b = worst_quotients(divisors)
+    for x, y in zip(a[:200].tolist(), b[:200].tolist(), strict=True):
+        q = Fraction(x) / Fraction(y)
+        midpoint = (2 * math.floor(q * 2**23) + 1) * Fraction(1, 2**24)
+        assert abs(q - midpoint) == Fraction(1, 2**24) / Fraction(y)
+        assert 16 < abs(q - midpoint) * 2**52 < 16.001
+    exponents = np.arange(-126, 128)
+    # a scaled by 2^j and b by 2^i, E = j − i, both staying normal and finite
+    i = np.where(exponents < 0, np.minimum(-exponents, 100), np.minimum(exponents, 100) - exponents)
+    j = exponents + i
+    assert np.all((np.abs(j) <= 100) & (np.abs(i) <= 100))
+    pick = np.arange(exponents.size * 30) % a.size
+    e = np.repeat(np.arange(exponents.size), 30)
+    sign = np.where(np.arange(pick.size) % 2, 1.0, -1.0)
+    x = (sign * a[pick].astype(np.float64) * 2.0 ** j[e]).astype(np.float32)
+    y = (b[pick].astype(np.float64) * 2.0 ** i[e]).astype(np.float32)
+    assert np.array_equal(np.abs(x.astype(np.float64) / y), a[pick].astype(np.float64) / b[pick]
+                          * 2.0 ** exponents[e])  # every scaling exact, into binade E
+    assert _quotients_round_alike(x, y, 15)
+    with np.errstate(over="ignore"):  # (the top binade's last midpoint is the overflow's)
+        want = torch.from_numpy(x / y)
+    quotient = torch.from_numpy(x.astype(np.float64) / y)
+    toward = toward_boundary(quotient, want, POLICY).to(torch.int64)
+    moved = (quotient.view(torch.int64) + 17 * toward * torch.where(quotient < 0, -1, 1))
+    assert not bool((moved.view(torch.float64).float() == want).any())
 
 
 def test_division_of_target_values_is_a_quotient_rule_and_of_wide_values_relative():

@@ -18,6 +18,7 @@ import torch
 from protocol.codec.roundinglog import RoundingLog, SiteLog
 from protocol.engine.bandpass import dense_bounds
 from protocol.engine.bounds import SAFETY
+from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import (
     PrecisionPolicy,
     boundary_distance,
@@ -32,6 +33,7 @@ from protocol.engine.rounding import (
     site_values,
 )
 from protocol.errors import LogMismatchError, LogViolationError
+from tests.protocol.engine.worst_cases import root_inputs, worst_quotients
 
 F64_F32 = PrecisionPolicy(torch.float64, torch.float32)
 F32_BF16 = PrecisionPolicy(torch.float32, torch.bfloat16)
@@ -682,6 +684,57 @@ def test_adversary_keeps_the_memory_layout():
     BoundAdversary(plain, F64_F32).round_site("op", [y], [e])
     assert torch.equal(moved, plain.seen[0][0])  # the same values, element for element
     assert not torch.equal(moved, y)
+
+
+class Seeing(SiteRecorder):
+    """A recorder that keeps a copy of each site's values."""
+
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        super().__init__(policy)
+        self.seen: list[tuple[str, list[torch.Tensor]]] = []
+
+    def round_site(self, op, ys, bounds):
+        self.seen.append((op, [y.clone() for y in ys]))
+        return super().round_site(op, ys, bounds)
+
+
+def test_the_adversary_takes_roots_and_quotients_wide_and_moves_them_by_their_error():
+    """Roots and quotients of float32 values have e = 0 (bound rules version 5), which
+    certifies their rounding, not their float64 bits: the adversary declines to let the fused
+    pass round them from the float32 values (it still lets exact products through), computes
+    them wide and moves every element by the relative rule's e / SAFETY for its documented
+    error — one to two float64 ULPs — toward its nearest rounding boundary. At the worst inputs,
+    those nearest to float32 midpoints (`worst_cases`), each still rounds to the correctly
+    rounded float32 result, and nothing is logged."""
+    roots = np.concatenate([root_inputs(61)[::16], [np.float32(8388607.5)]])
+    a, b = worst_quotients(list(range(2**24 - 1, 2**24 - 20000, -2)))
+    x, y, r = torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(roots)
+    claims = BoundAdversary(SiteRecorder(F64_F32), F64_F32)
+    assert claims.claim_exact_site("aten.mul.Tensor", 4)
+    assert not claims.claim_exact_site("aten.sqrt.default", 4)
+    assert not claims.claim_exact_site("aten._foreach_div_.List", 4)
+    inner = Seeing(F64_F32)
+    with RoundingMode(F64_F32, BoundAdversary(inner, F64_F32)):
+        got = [torch.sqrt(r), torch.div(x, y), torch.div(-x, y), torch.mul(x, y)]
+        in_place = x.clone()
+        in_place.div_(y)
+        (listed,) = torch._foreach_div([x], [y])
+    want = [torch.from_numpy(np.sqrt(roots)), torch.from_numpy(a / b), torch.from_numpy(-a / b),
+            torch.from_numpy(a * b)]
+    assert_bits_equal(got + [in_place, listed], want + [want[1], want[1]])
+    assert inner.log().n_entries == 0
+    for op, (moved,) in inner.seen:
+        # the honest float64 result (CPU division is correctly rounded, sqrt within 0.53 ULP)
+        honest = r.double().sqrt() if op == "aten.sqrt.default" else \
+            (x.double() / y).copysign(moved)
+        ulp = torch.nextafter(honest.abs(), torch.tensor(float("inf"), dtype=torch.float64)) \
+            - honest.abs()
+        step = (moved - honest) * toward_boundary(honest, honest.float(), F64_F32)
+        assert bool((step >= ulp / 2).all()) and bool((step <= 2.5 * ulp).all()), op
+    assert [op for op, _ in inner.seen] == ["aten.sqrt.default", "aten.div.Tensor",
+                                            "aten.div.Tensor", "aten.div_.Tensor",
+                                            "aten._foreach_div.List"]
+    assert len(inner.log().sites) == 6  # and x·y, an exact product the fused pass took
 
 
 @pytest.mark.parametrize("policy", POLICIES)
