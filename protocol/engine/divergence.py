@@ -10,7 +10,9 @@ within `e / 2` of the exact result), and the band absorbs anything up to 2. An e
 bound 0 must round to the same target value on both: add, subtract and multiply give the same
 compute-dtype bits, a square root or a quotient of target values may differ in its last
 compute-dtype bits but never in its rounding (`bounds.SQRT_MARGIN_ULPS`,
-`bounds.QUOTIENT_MARGIN_ULPS`).
+`bounds.QUOTIENT_MARGIN_ULPS`). Their divergence is measured against their documented error
+where that is more than their bound (`bounds.conforming_error`): e = 0, or a floor beside a
+small quotient, says nothing of how far two machines' roots and quotients may drift.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.codec.roundinglog import RoundingLog
 from protocol.engine.bandpass import dense_bounds
-from protocol.engine.bounds import Bound
+from protocol.engine.bounds import Bound, BoundContext, conforming_error
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.rounding import SiteRecorder, SiteReplayer, site_values
 from protocol.errors import ConfigError
@@ -102,6 +104,7 @@ class ComparingReplayer(SiteReplayer):
         self._values = np.memmap(values_path, dtype=np.dtype(index["dtype"]), mode="r") \
             if values_path.stat().st_size else np.zeros(0)
         self.report = report
+        self._bounds = BoundContext(policy)
 
     def bounds_needed(self) -> bool:
         return True  # every site's divergence is measured against its bounds
@@ -118,12 +121,21 @@ class ComparingReplayer(SiteReplayer):
             mine = site_values(ys).detach().cpu()
             if numel == mine.numel():
                 theirs = torch.from_numpy(np.array(self._values[offset:offset + numel]))
-                self._compare(entry, mine, theirs, dense_bounds(ys, bounds), self.policy.target)
+                e = dense_bounds(ys, bounds)
+                scale = e
+                error = conforming_error(self._bounds, op)
+                if error is not None:  # (a root or a quotient: module docstring)
+                    conforming = dense_bounds(ys, [error] * len(ys))
+                    scale = conforming if e is None else torch.maximum(e, conforming)
+                self._compare(entry, mine, theirs, e, scale, self.policy.target)
         return super().round_site(op, ys, bounds)
 
     @staticmethod
     def _compare(entry: OpDivergence, mine: torch.Tensor, theirs: torch.Tensor,
-                 e: torch.Tensor | None, target: torch.dtype) -> None:
+                 e: torch.Tensor | None, scale: torch.Tensor | None, target: torch.dtype) -> None:
+        """Adds one site's comparison to `entry`: elements, those that differ, the worst
+        difference as a fraction of `scale` (the bound, or what a root or quotient may err by),
+        and the elements with bound `e` 0 whose roundings differ."""
         both = torch.isfinite(mine) & torch.isfinite(theirs)
         # one side finite and the other not is a divergence without bound (both NaN, or equal
         # infinities, are not)
@@ -137,7 +149,8 @@ class ComparingReplayer(SiteReplayer):
         bits = torch.int32 if target.itemsize == 4 else torch.int16
         apart = (ours.view(bits) != others.view(bits)) & ~(ours.isnan() & others.isnan())
         entry.zero_bound_rounded_apart += int(((bound == 0) & apart).sum())
-        positive = bound > 0
+        measure = bound if scale is None else scale.detach().cpu().to(diff.dtype)
+        positive = measure > 0
         if bool(positive.any()):
-            worst = float(torch.nan_to_num(diff[positive] / bound[positive], nan=0.0).max())
+            worst = float(torch.nan_to_num(diff[positive] / measure[positive], nan=0.0).max())
             entry.max_fraction_of_bound = max(entry.max_fraction_of_bound, worst)

@@ -554,7 +554,9 @@ class BoundAdversary:
                 continue
             r = y.to(self.policy.target)
             shift = toward_boundary(y, r, self.policy) * (e / SAFETY)
-            pushed = torch.where(torch.isfinite(y), y + shift, y)  # (to or past the overflow)
+            # (to or past the overflow; in y's dtype: a bound may be wider, as float64
+            # magnitudes are under a float32 compute dtype)
+            pushed = torch.where(torch.isfinite(y), y + shift, y).to(y.dtype)
             moved.append(pushed if y.is_contiguous() else
                          torch.empty_like(y).copy_(pushed))
         return self.inner.round_site(op, moved, bounds)

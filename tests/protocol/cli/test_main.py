@@ -223,8 +223,9 @@ def test_replay_check_json_is_bit_exact(json_runs):
 def test_replay_check_against_the_bound_adversary(json_runs):
     """The adversary moves every result by e/2 toward its boundary: bit-exact all the same, and
     the probe sees that move — half the bound where e spans many compute ULPs (a convolution),
-    up to half a compute ULP more where it spans few, never more than e — and nothing at all
-    where the bound is zero."""
+    up to half a compute ULP more where it spans few, never more than e — and no element whose
+    bound is zero rounded apart (roots and quotients with e = 0 move within their documented
+    error, `bounds.conforming_error`; exact operations do not move)."""
     rc, out, err = json_runs["adversary"]
     assert rc == 0, err
     report = json.loads(out)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.engine import fused
 from protocol.engine.bandpass import dense_bounds
 from protocol.engine.bounds import SAFETY
 from protocol.engine.interceptor import RoundingMode
@@ -723,7 +724,13 @@ def test_the_adversary_takes_roots_and_quotients_wide_and_moves_them_by_their_er
             torch.from_numpy(a * b)]
     assert_bits_equal(got + [in_place, listed], want + [want[1], want[1]])
     assert inner.log().n_entries == 0
-    for op, (moved,) in inner.seen:
+    assert len(inner.log().sites) == 6
+    product = [ys for op, ys in inner.seen if op == "aten.mul.Tensor"]
+    if fused.ENABLED:  # the fused pass took x·y, an exact product: the adversary let it
+        assert not product
+    else:  # it reached the adversary, which left it as it was
+        assert torch.equal(product[0][0], x.double() * y)
+    for op, (moved,) in ((op, ys) for op, ys in inner.seen if op != "aten.mul.Tensor"):
         # the honest float64 result (CPU division is correctly rounded, sqrt within 0.53 ULP)
         honest = r.double().sqrt() if op == "aten.sqrt.default" else \
             (x.double() / y).copysign(moved)
@@ -731,10 +738,25 @@ def test_the_adversary_takes_roots_and_quotients_wide_and_moves_them_by_their_er
             - honest.abs()
         step = (moved - honest) * toward_boundary(honest, honest.float(), F64_F32)
         assert bool((step >= ulp / 2).all()) and bool((step <= 2.5 * ulp).all()), op
-    assert [op for op, _ in inner.seen] == ["aten.sqrt.default", "aten.div.Tensor",
-                                            "aten.div.Tensor", "aten.div_.Tensor",
-                                            "aten._foreach_div.List"]
-    assert len(inner.log().sites) == 6  # and x·y, an exact product the fused pass took
+    assert [op for op, _ in inner.seen if op != "aten.mul.Tensor"] == [
+        "aten.sqrt.default", "aten.div.Tensor", "aten.div.Tensor", "aten.div_.Tensor",
+        "aten._foreach_div.List"]
+
+
+def test_the_adversary_keeps_a_small_quotients_dtype_under_the_bfloat16_policy():
+    """A quotient below 2^-125 has a relative bound over float64 magnitudes; under a float32
+    compute dtype the adversary's moved values stay float32 (they were promoted, and the
+    recorder failed on them), and an honest replay of its log is bit-exact."""
+    x = torch.tensor([1e-30, 1.0, 2.0**-120], dtype=torch.bfloat16)
+    y = torch.tensor([1e10, 3.0, 2.0**10], dtype=torch.bfloat16)
+    inner = Seeing(F32_BF16)
+    with RoundingMode(F32_BF16, BoundAdversary(inner, F32_BF16)):
+        recorded = torch.div(x, y)
+    ((op, (moved,)),) = inner.seen
+    assert op == "aten.div.Tensor" and moved.dtype == torch.float32
+    with RoundingMode(F32_BF16, SiteReplayer(F32_BF16, inner.log())):
+        replayed = torch.div(x, y)
+    assert torch.equal(bits(replayed), bits(recorded))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
