@@ -126,6 +126,7 @@ class ComparingReplayer(SiteReplayer):
                 error = conforming_error(self._bounds, op)
                 if error is not None:  # (a root or a quotient: module docstring)
                     conforming = dense_bounds(ys, [error] * len(ys))
+                    assert conforming is not None  # (an `Affine` for every tensor)
                     scale = conforming if e is None else torch.maximum(e, conforming)
                 self._compare(entry, mine, theirs, e, scale, self.policy.target)
         return super().round_site(op, ys, bounds)
