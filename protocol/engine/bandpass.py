@@ -20,6 +20,7 @@ the extension (`fused`) — runs the torch ops.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,7 +73,7 @@ class _FlatBound:
         return torch.nan_to_num(base * self.scale + self.floor, nan=math.inf, posinf=math.inf)
 
 
-def dense_bounds(ys: list[torch.Tensor], bounds: list[Bound]) -> torch.Tensor | None:
+def dense_bounds(ys: list[torch.Tensor], bounds: Sequence[Bound]) -> torch.Tensor | None:
     """The bounds of a site as one 1-D tensor aligned with its flat values (NaN and +inf as
     +inf: a bound that overflowed certifies nothing), or None if all are 0.
 

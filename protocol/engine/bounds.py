@@ -405,6 +405,25 @@ def conforming_error(ctx: BoundContext, op: str) -> Affine | None:
     return None
 
 
+def conforming_bounds(ctx: BoundContext, op: str, ys: list[torch.Tensor], bounds: list[Bound]
+                      ) -> list[torch.Tensor | float | None]:
+    """Per result `y` of a site named `op`: how far, times SAFETY, a conforming machine's
+    compute-dtype result may lie from the exact one — its bound evaluated (`dense_bound`), and
+    for a root or a quotient at least its documented error (`conforming_error`), which its
+    e = 0, or a floor beside a small quotient, does not say. What the bound adversary moves
+    results by and the divergence probe measures them against."""
+    error = conforming_error(ctx, op)
+    out: list[torch.Tensor | float | None] = []
+    for y, bound in zip(ys, bounds, strict=True):
+        e = dense_bound(bound, y)
+        if error is not None:
+            documented = error.dense(y)
+            e = documented if e is None else torch.maximum(e, documented) \
+                if isinstance(e, torch.Tensor) else documented.clamp(min=e)
+        out.append(e)
+    return out
+
+
 # -- own elementwise rules ---------------------------------------------------------------------
 
 def _axpy(ctx, func, args, kwargs, ys) -> list[Bound]:

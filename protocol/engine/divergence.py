@@ -11,7 +11,7 @@ bound 0 must round to the same target value on both: add, subtract and multiply 
 compute-dtype bits, a square root or a quotient of target values may differ in its last
 compute-dtype bits but never in its rounding (`bounds.SQRT_MARGIN_ULPS`,
 `bounds.QUOTIENT_MARGIN_ULPS`). Their divergence is measured against their documented error
-where that is more than their bound (`bounds.conforming_error`): e = 0, or a floor beside a
+where that is more than their bound (`bounds.conforming_bounds`): e = 0, or a floor beside a
 small quotient, says nothing of how far two machines' roots and quotients may drift.
 """
 
@@ -27,7 +27,7 @@ import torch
 from protocol.codec.dtypes import DTYPES, dtype_name
 from protocol.codec.roundinglog import RoundingLog
 from protocol.engine.bandpass import dense_bounds
-from protocol.engine.bounds import Bound, BoundContext, conforming_error
+from protocol.engine.bounds import Bound, BoundContext, conforming_bounds
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.rounding import SiteRecorder, SiteReplayer, site_values
 from protocol.errors import ConfigError
@@ -121,22 +121,18 @@ class ComparingReplayer(SiteReplayer):
             mine = site_values(ys).detach().cpu()
             if numel == mine.numel():
                 theirs = torch.from_numpy(np.array(self._values[offset:offset + numel]))
-                e = dense_bounds(ys, bounds)
-                scale = e
-                error = conforming_error(self._bounds, op)
-                if error is not None:  # (a root or a quotient: module docstring)
-                    conforming = dense_bounds(ys, [error] * len(ys))
-                    assert conforming is not None  # (an `Affine` for every tensor)
-                    scale = conforming if e is None else torch.maximum(e, conforming)
-                self._compare(entry, mine, theirs, e, scale, self.policy.target)
+                self._compare(entry, mine, theirs, dense_bounds(ys, bounds),
+                              dense_bounds(ys, conforming_bounds(self._bounds, op, ys, bounds)),
+                              self.policy.target)
         return super().round_site(op, ys, bounds)
 
     @staticmethod
     def _compare(entry: OpDivergence, mine: torch.Tensor, theirs: torch.Tensor,
                  e: torch.Tensor | None, scale: torch.Tensor | None, target: torch.dtype) -> None:
         """Adds one site's comparison to `entry`: elements, those that differ, the worst
-        difference as a fraction of `scale` (the bound, or what a root or quotient may err by),
-        and the elements with bound `e` 0 whose roundings differ."""
+        difference as a fraction of `scale` (`bounds.conforming_bounds`: the bound, or what a
+        root or quotient may err by), and the elements with bound `e` 0 whose roundings
+        differ."""
         both = torch.isfinite(mine) & torch.isfinite(theirs)
         # one side finite and the other not is a divergence without bound (both NaN, or equal
         # infinities, are not)

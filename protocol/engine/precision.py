@@ -87,9 +87,9 @@ _SCALAR_ROUNDERS = {torch.float32: _to_float32, torch.bfloat16: _to_bfloat16}
 
 
 def holds_integer(dtype: torch.dtype, n: int) -> bool:
-    """Whether the integer `n` is a value of the floating `dtype` (an integer scalar argument is
-    not rounded to the target dtype before use, as a float is: SPEC §3.3)."""
-    return abs(n) < 2**128 and float(torch.tensor(float(n), dtype=dtype)) == n
+    """Whether the integer `n` is a value of the target `dtype` (float32 or bfloat16: an integer
+    scalar argument is not rounded to the target dtype before use, as a float is: SPEC §3.3)."""
+    return abs(n) < 2**128 and _SCALAR_ROUNDERS[dtype](float(n)) == n
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,13 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
 from protocol.engine.bandpass import apply_entries, bounds_at, nearest, round_band
-from protocol.engine.bounds import SAFETY, Bound, BoundContext, conforming_error, dense_bound
+from protocol.engine.bounds import (
+    SAFETY,
+    Bound,
+    BoundContext,
+    conforming_bounds,
+    conforming_error,
+)
 from protocol.engine.precision import (
     PrecisionPolicy,
     boundary_distance,
@@ -520,8 +526,8 @@ class BoundAdversary:
     lands up to twice that from it, always on the side that makes honest rounding hardest. An
     honest log must still replay bit-exactly against it, in either role (SPEC §3.2).
 
-    A square root or a division is moved by its documented error (`bounds.conforming_error`)
-    where that is more than its bound: roots and quotients of target values have e = 0
+    A square root or a division is moved by its documented error where that is more than its
+    bound (`bounds.conforming_bounds`): roots and quotients of target values have e = 0
     because no result within their margin rounds otherwise, not because every machine computes
     the same bits, so this machine takes them wide (it declines `claim_exact_site`, which
     would round them from the target values) and errs as far as it may. An exact operation's
@@ -542,13 +548,7 @@ class BoundAdversary:
     def round_site(self, op: str, ys: list[torch.Tensor], bounds: list[Bound]
                    ) -> list[torch.Tensor]:
         moved = []
-        error = conforming_error(self._bounds, op)
-        for y, b in zip(ys, bounds, strict=True):
-            e = dense_bound(b, y)
-            if error is not None:
-                conforming = error.dense(y)
-                e = conforming if e is None else torch.maximum(e, conforming) \
-                    if isinstance(e, torch.Tensor) else conforming.clamp(min=e)
+        for y, e in zip(ys, conforming_bounds(self._bounds, op, ys, bounds), strict=True):
             if e is None:
                 moved.append(y)
                 continue

@@ -9,15 +9,15 @@ import torch
 from protocol.engine.divergence import CapturingRecorder, ComparingReplayer, DivergenceReport
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import PrecisionPolicy
+from tests.protocol.engine.worst_cases import midpoint_squares
 
 POLICY = PrecisionPolicy()
 
 
 def _near_midpoints() -> torch.Tensor:
-    """float32 values whose roots lie nearest to float32 rounding midpoints (4 − 2^−22 the
-    nearest of all: 4 float64 ULPs, `bounds.SQRT_MARGIN_ULPS`)."""
-    k = np.arange(2**24 - 512, 2**24)
-    return torch.from_numpy((((2 * k + 1) * 2.0**-24) ** 2).astype(np.float32))
+    """float32 values whose roots lie nearest to float32 rounding midpoints (the margin is 4
+    float64 ULPs, `bounds.SQRT_MARGIN_ULPS`)."""
+    return torch.from_numpy(midpoint_squares(np.arange(2**24 - 512, 2**24)))
 
 
 def _off_by(op: str, ulps: int):

@@ -24,6 +24,7 @@ from protocol.engine.precision import (
     PrecisionPolicy,
     band_candidates,
     boundary_distance,
+    holds_integer,
     rounded_up,
     step_toward,
     target_ulp,
@@ -701,3 +702,17 @@ def test_a_policy_is_found_by_its_unit_roundoff():
         PrecisionPolicy.of_unit_roundoff(2.0**-11)
     assert F64_F32.scalar_rounder(0.1) == float(np.float32(0.1))
     assert F32_BF16.scalar_rounder(1 + 2.0**-9) == 1.0
+
+
+def test_holds_integer_says_which_integers_a_target_dtype_holds_exactly():
+    """An integer divisor is used as it is (SPEC §3.3), so whether the target holds it decides
+    the division's rule: float32 holds 2^24 and 2^24 + 2 but not 2^24 + 1, its largest value
+    2^128 − 2^104 but not 2^128; bfloat16 holds 256 and 258 but not 257; an integer beyond
+    float64's range is held by neither (and raises nothing)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert all(holds_integer(f32, n) for n in (0, 3, -7, 2**24, 2**24 + 2, -(2**24 + 2),
+                                               2**128 - 2**104, 2**127))
+    assert not any(holds_integer(f32, n) for n in (2**24 + 1, -(2**24 + 1), 2**128,
+                                                   2**128 - 2**103, 10**400, 2**53 + 1))
+    assert all(holds_integer(bf16, n) for n in (256, 258, -258, 2**127))
+    assert not any(holds_integer(bf16, n) for n in (257, 2**24 + 2, 10**400))

@@ -8,14 +8,19 @@ from __future__ import annotations
 import numpy as np
 
 
+def midpoint_squares(k: np.ndarray) -> np.ndarray:
+    """The float32 values nearest to the squares of the float32 rounding midpoints
+    m = (2k + 1)·2^−24 in [1, 2), k in [2^23, 2^24) (m² is exact in float64): their roots lie
+    nearest to those midpoints (4 − 2^−22 float64 ULPs the nearest of all)."""
+    return (((2 * k + 1) * 2.0**-24) ** 2).astype(np.float32)
+
+
 def root_inputs(seed: int) -> np.ndarray:
-    """The float32 values nearest to the squares of float32 rounding midpoints
-    m = (2k + 1)·2^−24 in [1, 2) (m² is exact in float64), and their neighbours, for the 2^16
-    smallest and largest k and 2^17 more drawn with `seed`. Every other binade's are these
-    scaled by a power of 4."""
+    """`midpoint_squares` and their neighbours, for the 2^16 smallest and largest k and 2^17
+    more drawn with `seed`. Every other binade's are these scaled by a power of 4."""
     k = np.concatenate([np.arange(2**23, 2**23 + 2**16), np.arange(2**24 - 2**16, 2**24),
                         np.random.default_rng(seed).integers(2**23, 2**24, size=2**17)])
-    nearest = (((2 * k + 1) * 2.0**-24) ** 2).astype(np.float32)
+    nearest = midpoint_squares(k)
     return np.concatenate([nearest, np.nextafter(nearest, np.float32(0)),
                            np.nextafter(nearest, np.float32(8))])
 
