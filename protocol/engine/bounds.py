@@ -213,14 +213,14 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     view's rows, a matrix's columns), where `vector_norm` is several times slower on the CPU,
     one C++ pass over a view of at most three dimensions (`torch.ops.ovt.norms`: the squares
     summed along `dim` into float64 accumulators, adjacent results together, no squared copy)
-    where the library is loaded (`fused.computes_bounds`); else the squares summed with torch
+    where the library is loaded (`fused.own_arithmetic`); else the squares summed with torch
     ops — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the
     block sums added up, so that the squares stay in the cache. Any order of the sum is within
     the reduction rule's own error, which `SAFETY` covers."""
     if x.stride(dim) == 1 or x.shape[dim] == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
-    if layout is not None and fused.computes_bounds(x) and x.dtype in (torch.float64,
+    if layout is not None and fused.own_arithmetic(x) and x.dtype in (torch.float64,
                                                                        torch.float32):
         kept = x.shape[:dim] + x.shape[dim + 1:]
         return torch.ops.ovt.norms(x, *layout).reshape(kept)
@@ -725,35 +725,30 @@ def _per_channel(x: torch.Tensor) -> torch.Tensor:
 class _ChannelSums:
     """Sums of a tensor t of shape (N, C, *spatial) in float64, each None unless asked for:
     `spatial` Σ_c t² per sample and position, (N, 1, *spatial); per channel (C,): `squares`
-    Σ t², `magnitudes` Σ |t|, `top` max t and `bottom` min t (NaN where a NaN is among them)."""
+    Σ t² and `magnitudes` Σ |t|."""
 
     spatial: torch.Tensor | None = None
     squares: torch.Tensor | None = None
     magnitudes: torch.Tensor | None = None
-    top: torch.Tensor | None = None
-    bottom: torch.Tensor | None = None
 
 
 def _channel_sums(t: torch.Tensor, spatial: bool = False, squares: bool = False,
-                  magnitudes: bool = False, extremes: bool = False) -> _ChannelSums:
+                  magnitudes: bool = False) -> _ChannelSums:
     """The asked-for sums of `t` (`_ChannelSums`): all in one C++ read of `t` where the library
-    is loaded (`fused.computes_bounds`) and `t` is a nonempty contiguous float64 or float32
+    is loaded (`fused.own_arithmetic`) and `t` is a nonempty contiguous float64 or float32
     tensor (`torch.ops.ovt.channel_sums`); else with torch ops, one squared copy shared by the
-    two sums of squares. Bounds only: any order of these sums is within `SAFETY`, and a
-    maximum or minimum is exact in every order."""
-    if fused.computes_bounds(t) and t.dtype in (torch.float64, torch.float32) and \
+    two sums of squares. Bounds only: any order of these sums is within `SAFETY`."""
+    if fused.own_arithmetic(t) and t.dtype in (torch.float64, torch.float32) and \
             t.is_contiguous() and t.numel() and t.dim() >= 2:
-        sums, sq, mag, top, bottom = torch.ops.ovt.channel_sums(t)
-        return _ChannelSums(sums.reshape(t.shape[0], 1, *t.shape[2:]), sq, mag, top, bottom)
+        sums, sq, mag = torch.ops.ovt.channel_sums(t)
+        return _ChannelSums(sums.reshape(t.shape[0], 1, *t.shape[2:]), sq, mag)
     wide = _f64(t)
     dims = [0, *range(2, t.dim())]
     square = wide * wide if spatial or squares else None
     return _ChannelSums(
         square.sum(1, keepdim=True) if square is not None and spatial else None,
         square.sum(dims) if square is not None and squares else None,
-        wide.abs().sum(dims) if magnitudes else None,
-        wide.amax(dims) if extremes else None,
-        wide.amin(dims) if extremes else None)
+        wide.abs().sum(dims) if magnitudes else None)
 
 
 def _per_dim(param: Sequence[int], spatial: int) -> list[int]:
@@ -769,11 +764,11 @@ def _window_norms(squares: torch.Tensor, kernel: Sequence[int], stride, padding,
     (`_ChannelSums.spatial`) with a kernel of ones, in float64 (its own rounding is within
     `SAFETY`); `transposed`: the windows of a transposed convolution, the positions of a
     `size` input that read each one (grad_input's). In two spatial dimensions, where the
-    library is loaded (`fused.computes_bounds`), one C++ pass sums each window directly
+    library is loaded (`fused.own_arithmetic`), one C++ pass sums each window directly
     (`torch.ops.ovt.window_norms`) instead of a float64 convolution."""
     spatial = len(kernel)
     stride, padding, dilation = (_per_dim(p, spatial) for p in (stride, padding, dilation))
-    if spatial == 2 and fused.computes_bounds(squares):  # one C++ pass: the same sums
+    if spatial == 2 and fused.own_arithmetic(squares):  # one C++ pass: the same sums
         if transposed:
             assert size is not None
             out = list(size)
@@ -1054,7 +1049,7 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     is a subnormal of the compute dtype (y_i below −87.3 in float32) its error is n_exp of its
     units, not relative: in float32 compute the bound adds n_exp·tiny·G (as 2·n_exp·(tiny/u)·G
     in the base); in float64 that needs G beyond 2**873. Rows along the last dimension, where
-    the library is loaded (`fused.computes_bounds`), take one C++ pass per row with an upper
+    the library is loaded (`fused.own_arithmetic`), take one C++ pass per row with an upper
     bound on exp(y_i), within 6.2 % of it above the subnormals, from its binary exponent
     (`exp_above`: no exp call): at GPT-2's vocabulary the torch ops took a fifth of a record
     step."""
@@ -1064,7 +1059,7 @@ def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     extra = 2 * _ulps(ctx, "exp") * ctx.tiny / ctx.u if ctx.policy.compute == torch.float32 \
         else 0.0
     bound = partial(Affine, SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny)
-    if fused.computes_bounds(y) and y.numel() and y.dim() and dim % y.dim() == y.dim() - 1:
+    if fused.own_arithmetic(y) and y.numel() and y.dim() and dim % y.dim() == y.dim() - 1:
         rows = (y.numel() // k, k)
         base = torch.ops.ovt.log_softmax_backward_bound(g.reshape(rows).contiguous(),
                                                         y.reshape(rows).contiguous(),
@@ -1127,7 +1122,7 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     - dw: three roundings per term (g·(x − μ)·ρ, or g·(ρ·x − ρ·μ)) on |g|·(|x| + |μ|)·ρ, then
       a sum over the M rows: (M + 5)·u·Σ |g|·(|x| + |μ|)·ρ; db: a sum, (M + 1)·u·Σ |g|.
     Each e = SAFETY·1.02 times these, plus (N + 16) subnormal units (a product of four small
-    factors may underflow). Where the library is loaded (`fused.computes_bounds`) one C++ pass
+    factors may underflow). Where the library is loaded (`fused.own_arithmetic`) one C++ pass
     over the rows and one over the columns compute these terms (`layer_norm_backward_bound`),
     else torch ops: the same terms, their sums in other orders (the 1.02 covers any)."""
     g, x, shape, mean, rstd, w, b, mask = args[:8]
@@ -1139,7 +1134,7 @@ def _layer_norm_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     m = x.numel() // n
     g, x, mean, rstd = _f64(g), _f64(x), _f64(mean), _f64(rstd)
     w = _f64(w) if w is not None else None
-    if fused.computes_bounds(x):  # the terms below, in two C++ passes
+    if fused.own_arithmetic(x):  # the terms below, in two C++ passes
         dx, dw, db = torch.ops.ovt.layer_norm_backward_bound(
             g.reshape(m, n).contiguous(), x.reshape(m, n).contiguous(),
             mean.reshape(m).contiguous(), rstd.reshape(m).contiguous(),
@@ -1260,7 +1255,7 @@ def _norm_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:
     u, tiny, c_rho = unit_roundoff, info.smallest_normal * info.eps, _rstd_error(policy.compute)
     if not x.numel() or ((k + 5) / 2 + c_rho) * u > _COMPOSITE_LIMIT:
         return None
-    top, bottom = _f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True))
+    top, bottom, _ = _row_extremes(x, dims)
     m = torch.maximum(top.abs(), bottom.abs())
     m_max, r_min = float(m.max()), float((top - bottom).min())
     gamma = (k + 1) * u / (1 - (k + 1) * u)  # γ_{K+1}: Δμ exactly, not to first order
@@ -1287,21 +1282,31 @@ def _norm_backward_stats(ctx, func, args, kwargs, ys) -> list[Bound]:
     does not hold `rule_of` declines (`_norm_backward_stats_rule`)."""
     g, x, mean, dims = args[0], args[1], _f64(args[2]), list(args[3])
     k = math.prod(x.shape[d] for d in dims)
-    if dims == [0, *range(2, x.dim())] and x.dim() >= 2:  # per channel (batch norm's layout)
-        kept = (1, x.shape[1], *([1] * (x.dim() - 2)))
-        g_sums, x_sums = _channel_sums(g, magnitudes=True), _channel_sums(x, extremes=True)
-        assert g_sums.magnitudes is not None and x_sums.top is not None \
-            and x_sums.bottom is not None
-        total = g_sums.magnitudes.reshape(kept)
-        top, bottom = x_sums.top.reshape(kept), x_sums.bottom.reshape(kept)
-    else:
-        total = _f64(g).abs().sum(dims, keepdim=True)
-        top, bottom = _f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True))
+    top, bottom, total = _row_extremes(x, dims, g)
+    assert total is not None
     spread = torch.maximum((top - mean).abs_(), (bottom - mean).abs_())
     return [ctx.sum_bound(k, total), ctx.sum_bound(k + 1, total * spread)]
 
 
 _NORM_BACKWARD_STATS = Rule("norm-backward-stats", _norm_backward_stats)
+
+
+def _row_extremes(x: torch.Tensor, dims: list[int], g: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """max x, min x (NaN where a NaN is among them) and, with `g`, Σ |g| over `dims`, kept as
+    dimensions of one, in float64: one C++ read of `x` and `g` (`torch.ops.ovt.row_extremes`)
+    where `normops.rows_view` serves (a layer norm's rows, a batch norm's channels) and `g`
+    has `x`'s layout, else torch ops. The extremes are exact in any order, and the sum is a
+    bound's (`SAFETY`)."""
+    view = normops.rows_view(x, dims)
+    if view is not None and (g is None or (g.shape == x.shape and g.dtype == x.dtype
+                                           and g.is_contiguous())):
+        kept = normops.kept_shape(x, dims)
+        top, bottom, total = torch.ops.ovt.row_extremes(x, g, *view)
+        return top.reshape(kept), bottom.reshape(kept), \
+            None if g is None else total.reshape(kept)
+    return (_f64(x.amax(dims, keepdim=True)), _f64(x.amin(dims, keepdim=True)),
+            None if g is None else _f64(g).abs().sum(dims, keepdim=True))
 
 
 def _norm_backward_stats_rule(args: tuple, unit_roundoff: float) -> Rule | None:

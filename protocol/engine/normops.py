@@ -21,7 +21,10 @@ Layer norm and batch norm (training) run as two sites each instead of their doze
 All four are Python implementations over torch ops, registered with `torch.library` so that
 the interceptor sees them as ops (one site each) and a profile can compute the statistics in
 another conforming form (`splitk`); they run on any device. On the CPU the two formulas also
-run as fused C++ passes straight from float32 operands, the same bits (`fused_formula`).
+run as fused C++ passes straight from float32 operands, the same bits (`fused_formula`), and
+the two statistics' sums as C++ passes of their own order (`rows_view`): a conforming form
+like any other (their rules hold for every order), used wherever the library is loaded, so
+that the fused and the torch-ops paths compute the same statistics.
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ def norm_stats(x: torch.Tensor, dims: list[int], eps: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean, biased variance, rstd) of `x` over `dims`, kept as dimensions of one: a sum
     divided by K, the squared deviations from that mean summed and divided by K, then
-    rsqrt(variance + eps)."""
+    rsqrt(variance + eps). The two sums in one C++ pass each where `rows_view` serves a
+    float64 `x` (their own order: the rule holds for any), else torch's."""
+    view = rows_view(x, dims) if x.dtype == torch.float64 else None
+    if view is not None:
+        mean, var = (t.reshape(kept_shape(x, dims)) for t in torch.ops.ovt.row_stats(x, *view))
+        return mean, var, (var + eps).rsqrt_()
     k = math.prod(x.shape[d] for d in dims)
     mean = x.sum(dims, keepdim=True).div_(k)
     deviation = x - mean
@@ -65,8 +73,46 @@ def normalize(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
 def norm_backward_stats(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                         dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ g, Σ g·(x − mean)) over `dims`, kept as dimensions of one: the two sums a
-    normalisation's backward needs (batch norm's bias gradient, and with rstd its weight's)."""
+    normalisation's backward needs (batch norm's bias gradient, and with rstd its weight's).
+    Both in one C++ pass where `rows_view` serves a float64 `x` (their own order), else
+    torch's."""
+    view = rows_view(x, dims) if x.dtype == torch.float64 else None
+    if view is not None and grad.shape == x.shape and grad.dtype == x.dtype and \
+            grad.is_contiguous() and mean.dtype == x.dtype and mean.is_contiguous() and \
+            mean.numel() == view[1]:
+        kept = kept_shape(x, dims)
+        sum_grad, sum_product = torch.ops.ovt.row_backward_sums(grad, x, mean, *view)
+        return sum_grad.reshape(kept), sum_product.reshape(kept)
     return grad.sum(dims, keepdim=True), (x - mean).mul_(grad).sum(dims, keepdim=True)
+
+
+def rows_view(x: torch.Tensor, dims: list[int]) -> tuple[int, int, int] | None:
+    """(A, B, C): `x` viewed as B rows, each reduced over A and C, as the C++ statistics
+    (`row_stats`, `row_backward_sums` and their rules' `row_extremes` in `csrc/fused.cpp`) read
+    it — a layer norm's rows over the trailing dimensions (1, rows, K), or a batch norm's
+    channels over all other dimensions (samples, channels, positions); None where they do not
+    serve: the library not loaded or not for `x`'s device (`fused.own_arithmetic`), `x` not a
+    nonempty contiguous float64 or float32 tensor of one or more dimensions (the statistics
+    take float64 only), or another reduction."""
+    nd = x.dim()
+    if not (fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32)
+            and x.is_contiguous() and x.numel() and nd):
+        return None
+    reduced = sorted({d % nd for d in dims})
+    if not reduced or len(reduced) != len(dims):
+        return None
+    if reduced == list(range(nd - len(reduced), nd)):
+        k = math.prod(x.shape[d] for d in reduced)
+        return 1, x.numel() // k, k
+    if nd >= 2 and reduced == [0, *range(2, nd)]:
+        return x.shape[0], x.shape[1], x.numel() // (x.shape[0] * x.shape[1])
+    return None
+
+
+def kept_shape(x: torch.Tensor, dims: list[int]) -> list[int]:
+    """`x`'s shape with `dims` kept as dimensions of one."""
+    reduced = {d % x.dim() for d in dims}
+    return [1 if d in reduced else n for d, n in enumerate(x.shape)]
 
 
 @torch.library.custom_op("ovt::normalize_backward", mutates_args=())

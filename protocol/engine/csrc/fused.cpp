@@ -22,6 +22,8 @@
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
 // - norms, channel_sums, window_norms, layer_norm_backward_bound and
 //   log_softmax_backward_bound, bound rules' own arithmetic (no torch twin: see there);
+// - row_stats and row_backward_sums, the normalisation statistics in their own summation order
+//   (normops.py; no torch twin either), and row_extremes, their rules' terms;
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
@@ -451,13 +453,27 @@ bool small_quotients(const at::Tensor& a, const c10::optional<at::Tensor>& b, do
 // result converted once. The statistics and parameters are per run of `n` elements: a layer
 // norm row (its mean and rstd, with a weight and bias per element) or a batch norm channel's
 // run (all four per channel).
+// A layer norm row: weight and bias per element (either may be null).
 OVT_CLONES
-void normalize_run(const float* x, float* out, int64_t n, double mean, double rstd,
-                   const float* weight, const float* bias, int64_t stride) {
+void normalize_row(const float* x, float* out, int64_t n, double mean, double rstd,
+                   const float* weight, const float* bias) {
   for (int64_t i = 0; i < n; ++i) {
     double t = (double{x[i]} - mean) * rstd;
-    if (weight != nullptr) t = t * double{weight[i * stride]};
-    if (bias != nullptr) t = t + double{bias[i * stride]};
+    if (weight != nullptr) t = t * double{weight[i]};
+    if (bias != nullptr) t = t + double{bias[i]};
+    out[i] = static_cast<float>(t);
+  }
+}
+
+// A batch norm channel's run: weight and bias one value each, applied where `scaled` and
+// `shifted` (a per-element load of one value would keep the loop from vectorising).
+template <bool scaled, bool shifted>
+OVT_CLONES void normalize_channel(const float* x, float* out, int64_t n, double mean, double rstd,
+                                  double weight, double bias) {
+  for (int64_t i = 0; i < n; ++i) {
+    double t = (double{x[i]} - mean) * rstd;
+    if (scaled) t = t * weight;
+    if (shifted) t = t + bias;
     out[i] = static_cast<float>(t);
   }
 }
@@ -503,10 +519,23 @@ void normalize(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rs
                    [&](int64_t begin, int64_t end) {
     for (int64_t run = begin; run < end; ++run) {
       const int64_t s = rows ? run : run % channels;
-      const float* w = wp == nullptr ? nullptr : rows ? wp : wp + s;
-      const float* b = bp == nullptr ? nullptr : rows ? bp : bp + s;
-      normalize_run(xp + run * inner, op + run * inner, inner, double{mp[s]}, double{rp[s]}, w, b,
-                    rows ? 1 : 0);
+      const float* xr = xp + run * inner;
+      float* o = op + run * inner;
+      const double m = double{mp[s]}, r = double{rp[s]};
+      if (rows) {
+        normalize_row(xr, o, inner, m, r, wp, bp);
+        continue;
+      }
+      const double w = wp == nullptr ? 0.0 : double{wp[s]}, b = bp == nullptr ? 0.0 : double{bp[s]};
+      if (wp != nullptr && bp != nullptr) {
+        normalize_channel<true, true>(xr, o, inner, m, r, w, b);
+      } else if (wp != nullptr) {
+        normalize_channel<true, false>(xr, o, inner, m, r, w, b);
+      } else if (bp != nullptr) {
+        normalize_channel<false, true>(xr, o, inner, m, r, w, b);
+      } else {
+        normalize_channel<false, false>(xr, o, inner, m, r, w, b);
+      }
     }
   });
 }
@@ -965,14 +994,13 @@ __attribute__((always_inline)) inline Lanes abs_lanes(Lanes x) {
 
 __attribute__((always_inline)) inline double sum_lanes(Lanes x) { return (x[0] + x[1]) + (x[2] + x[3]); }
 
-// One (n, c) run of `size` elements: its squares added into acc[s], and into out its Σ t², Σ |t|
-// (two sets of lanes, positions s into lane s % 8, added up in lane order), max and min.
+// One (n, c) run of `size` elements: its squares added into acc[s], and into out its Σ t² and
+// Σ |t| (two sets of lanes, positions s into lane s % 8, added up in lane order).
 template <typename T>
 OVT_CLONES void channel_run(const T* __restrict__ run, double* __restrict__ acc, int64_t size,
                             double* __restrict__ out) {
   const Lanes zero = {0.0, 0.0, 0.0, 0.0};
   Lanes q0 = zero, q1 = zero, a0 = zero, a1 = zero;
-  Lanes h0 = zero - INFINITY, h1 = h0, l0 = zero + INFINITY, l1 = l0;
   int64_t s = 0;
   for (; s + 2 * kWidth <= size; s += 2 * kWidth) {
     const Lanes x0 = load_lanes(run + s), x1 = load_lanes(run + s + kWidth);
@@ -983,70 +1011,49 @@ OVT_CLONES void channel_run(const T* __restrict__ run, double* __restrict__ acc,
     q1 += s1;
     a0 += abs_lanes(x0);
     a1 += abs_lanes(x1);
-    h0 = x0 > h0 ? x0 : h0;
-    h1 = x1 > h1 ? x1 : h1;
-    l0 = x0 < l0 ? x0 : l0;
-    l1 = x1 < l1 ? x1 : l1;
   }
   double q = sum_lanes(q0) + sum_lanes(q1), a = sum_lanes(a0) + sum_lanes(a1);
-  double h = -INFINITY, l = INFINITY;
-  for (int64_t j = 0; j < kWidth; ++j) {
-    h = std::max({h, h0[j], h1[j]});
-    l = std::min({l, l0[j], l1[j]});
-  }
   for (; s < size; ++s) {
     const double v = run[s];
     acc[s] += v * v;
     q += v * v;
     a += std::fabs(v);
-    h = v > h ? v : h;
-    l = v < l ? v : l;
   }
   out[0] = q;
   out[1] = a;
-  out[2] = h;
-  out[3] = l;
 }
 
 // Per-sample and per-channel sums of t viewed as (N, C, S), S the spatial size (bounds.py
 // `_channel_sums`): Σ_c t² per (n, s) — a convolution's window norms start from these — and per
-// channel Σ t², Σ |t|, max t and min t (NaN where a NaN is among them: then Σ t² is NaN), in
-// float64. Each (n, s) sums over c in order; each channel's run of S elements per sample in
-// interleaved lanes (`channel_run`), then the samples' sums in order. (Max and min skip NaNs,
-// whose presence Σ t² shows.)
+// channel Σ t² and Σ |t|, in float64. Each (n, s) sums over c in order; each channel's run of S
+// elements per sample in interleaved lanes (`channel_run`), then the samples' sums in order.
 template <typename T>
 void channel_sums_run(const T* tp, double* spatial, double* squares, double* magnitudes,
-                      double* top, double* bottom, int64_t samples, int64_t channels,
-                      int64_t size) {
-  std::vector<double> cells(static_cast<size_t>(samples * channels * 4));
+                      int64_t samples, int64_t channels, int64_t size) {
+  std::vector<double> cells(static_cast<size_t>(samples * channels * 2));
   at::parallel_for(0, samples, 1, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       double* acc = spatial + n * size;
       for (int64_t s = 0; s < size; ++s) acc[s] = 0.0;
       for (int64_t c = 0; c < channels; ++c) {
         channel_run(tp + (n * channels + c) * size, acc, size,
-                    cells.data() + (n * channels + c) * 4);
+                    cells.data() + (n * channels + c) * 2);
       }
     }
   });
   for (int64_t c = 0; c < channels; ++c) {
-    double q = 0.0, a = 0.0, h = -INFINITY, l = INFINITY;
+    double q = 0.0, a = 0.0;
     for (int64_t n = 0; n < samples; ++n) {
-      const double* cell = cells.data() + (n * channels + c) * 4;
+      const double* cell = cells.data() + (n * channels + c) * 2;
       q += cell[0];
       a += cell[1];
-      h = cell[2] > h ? cell[2] : h;
-      l = cell[3] < l ? cell[3] : l;
     }
     squares[c] = q;
     magnitudes[c] = a;
-    top[c] = std::isnan(q) ? q : h;
-    bottom[c] = std::isnan(q) ? q : l;
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> channel_sums(
-    const at::Tensor& t) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> channel_sums(const at::Tensor& t) {
   TORCH_CHECK((t.dtype() == at::kDouble || t.dtype() == at::kFloat) && t.is_contiguous() &&
                   t.device().is_cpu() && t.dim() >= 2,
               "channel_sums: t must be a contiguous float64 or float32 CPU tensor of two or "
@@ -1056,18 +1063,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> channel_s
   const auto options = t.options().dtype(at::kDouble);
   at::Tensor spatial = at::empty({samples, size}, options);
   at::Tensor squares = at::empty({channels}, options), magnitudes = at::empty({channels}, options);
-  at::Tensor top = at::empty({channels}, options), bottom = at::empty({channels}, options);
   double* out[] = {spatial.data_ptr<double>(), squares.data_ptr<double>(),
-                   magnitudes.data_ptr<double>(), top.data_ptr<double>(),
-                   bottom.data_ptr<double>()};
+                   magnitudes.data_ptr<double>()};
   if (t.dtype() == at::kDouble) {
-    channel_sums_run(t.data_ptr<double>(), out[0], out[1], out[2], out[3], out[4], samples,
-                     channels, size);
+    channel_sums_run(t.data_ptr<double>(), out[0], out[1], out[2], samples, channels, size);
   } else {
-    channel_sums_run(t.data_ptr<float>(), out[0], out[1], out[2], out[3], out[4], samples,
-                     channels, size);
+    channel_sums_run(t.data_ptr<float>(), out[0], out[1], out[2], samples, channels, size);
   }
-  return {spatial, squares, magnitudes, top, bottom};
+  return {spatial, squares, magnitudes};
 }
 
 // A layer norm row's P1 = Σ a, Σ a·|x| and Σ a·|x − mean| into out, a = |g·w| (|g| where w is
@@ -1178,6 +1181,243 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
     }
   });
   return out;
+}
+
+// The normalisation statistics (normops.py `norm_stats`, `norm_backward_stats`; SPEC §3.2.1):
+// their own summation order, not torch's (the ops' rules hold for any order of their sums), on
+// float64 x viewed as (A, B, C), each of the B rows reduced over A and C — a layer norm's rows
+// (A = 1) or a batch norm's channels (A samples of C positions). Each (a, b) run of C elements
+// is summed in interleaved lanes (`channel_run`), then each row's A runs in order: the same bits
+// whatever the thread count.
+
+// Σ x_j, and with `mean` given Σ (x_j − mean)², for j < n (each difference and square rounded
+// on its own: -ffp-contract=off).
+OVT_CLONES double run_sum(const double* __restrict__ x, int64_t n) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes s0 = zero, s1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    s0 += load_lanes(x + j);
+    s1 += load_lanes(x + j + kWidth);
+  }
+  double total = sum_lanes(s0) + sum_lanes(s1);
+  for (; j < n; ++j) total += x[j];
+  return total;
+}
+
+OVT_CLONES double run_deviation_squares(const double* __restrict__ x, double mean, int64_t n) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes s0 = zero, s1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    const Lanes d0 = load_lanes(x + j) - mean, d1 = load_lanes(x + j + kWidth) - mean;
+    s0 += d0 * d0;
+    s1 += d1 * d1;
+  }
+  double total = sum_lanes(s0) + sum_lanes(s1);
+  for (; j < n; ++j) {
+    const double d = x[j] - mean;
+    total += d * d;
+  }
+  return total;
+}
+
+// Σ g_j and Σ (x_j − mean)·g_j for j < n, into out[0] and out[1].
+OVT_CLONES void run_backward_sums(const double* __restrict__ g, const double* __restrict__ x,
+                                  double mean, int64_t n, double* __restrict__ out) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes s0 = zero, s1 = zero, p0 = zero, p1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    const Lanes g0 = load_lanes(g + j), g1 = load_lanes(g + j + kWidth);
+    s0 += g0;
+    s1 += g1;
+    p0 += (load_lanes(x + j) - mean) * g0;
+    p1 += (load_lanes(x + j + kWidth) - mean) * g1;
+  }
+  double sg = sum_lanes(s0) + sum_lanes(s1), sp = sum_lanes(p0) + sum_lanes(p1);
+  for (; j < n; ++j) {
+    sg += g[j];
+    sp += (x[j] - mean) * g[j];
+  }
+  out[0] = sg;
+  out[1] = sp;
+}
+
+void check_stats_view(const at::Tensor& t, int64_t a, int64_t b, int64_t c, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kDouble && t.is_contiguous() && t.device().is_cpu(), name,
+              ": the tensors must be contiguous float64 CPU tensors");
+  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && a * b * c == t.numel(), name,
+              ": the view (A, B, C) does not hold the tensor's elements");
+}
+
+// Per row b of x viewed as (A, B, C): the mean Σ x / K and the biased variance
+// Σ (x − mean)² / K, K = A·C, the deviations from the computed mean (two passes).
+std::tuple<at::Tensor, at::Tensor> row_stats(const at::Tensor& x, int64_t a, int64_t b,
+                                             int64_t c) {
+  check_stats_view(x, a, b, c, "row_stats");
+  TORCH_CHECK(a * c > 0, "row_stats: empty rows have no statistics");
+  const auto options = x.options();
+  at::Tensor mean = at::empty({b}, options), var = at::empty({b}, options);
+  std::vector<double> cells(static_cast<size_t>(a * b));
+  const double* xp = x.data_ptr<double>();
+  double* mp = mean.data_ptr<double>();
+  double* vp = var.data_ptr<double>();
+  const double k = static_cast<double>(a * c);
+  const int64_t grain = std::max<int64_t>(1, kGrain / c);
+  auto rows = [&](double* out) {  // each row's cells added in order, divided by K
+    for (int64_t row = 0; row < b; ++row) {
+      double total = 0.0;
+      for (int64_t i = 0; i < a; ++i) total += cells[static_cast<size_t>(i * b + row)];
+      out[row] = total / k;
+    }
+  };
+  at::parallel_for(0, a * b, grain, [&](int64_t first, int64_t last) {
+    for (int64_t cell = first; cell < last; ++cell) {
+      cells[static_cast<size_t>(cell)] = run_sum(xp + cell * c, c);
+    }
+  });
+  rows(mp);
+  at::parallel_for(0, a * b, grain, [&](int64_t first, int64_t last) {
+    for (int64_t cell = first; cell < last; ++cell) {
+      cells[static_cast<size_t>(cell)] = run_deviation_squares(xp + cell * c, mp[cell % b], c);
+    }
+  });
+  rows(vp);
+  return {mean, var};
+}
+
+// Per row b of g and x viewed as (A, B, C): Σ g and Σ (x − mean_b)·g.
+std::tuple<at::Tensor, at::Tensor> row_backward_sums(const at::Tensor& g, const at::Tensor& x,
+                                                     const at::Tensor& mean, int64_t a, int64_t b,
+                                                     int64_t c) {
+  check_stats_view(g, a, b, c, "row_backward_sums");
+  check_stats_view(x, a, b, c, "row_backward_sums");
+  check_stats_view(mean, 1, b, 1, "row_backward_sums");
+  const auto options = x.options();
+  at::Tensor sum_grad = at::empty({b}, options), sum_product = at::empty({b}, options);
+  std::vector<double> cells(static_cast<size_t>(a * b * 2));
+  const double* gp = g.data_ptr<double>();
+  const double* xp = x.data_ptr<double>();
+  const double* mp = mean.data_ptr<double>();
+  at::parallel_for(0, a * b, std::max<int64_t>(1, kGrain / std::max<int64_t>(c, 1)),
+                   [&](int64_t first, int64_t last) {
+    for (int64_t cell = first; cell < last; ++cell) {
+      run_backward_sums(gp + cell * c, xp + cell * c, mp[cell % b], c, cells.data() + cell * 2);
+    }
+  });
+  double* sg = sum_grad.data_ptr<double>();
+  double* sp = sum_product.data_ptr<double>();
+  for (int64_t row = 0; row < b; ++row) {
+    double s = 0.0, p = 0.0;
+    for (int64_t i = 0; i < a; ++i) {
+      s += cells[static_cast<size_t>((i * b + row) * 2)];
+      p += cells[static_cast<size_t>((i * b + row) * 2 + 1)];
+    }
+    sg[row] = s;
+    sp[row] = p;
+  }
+  return {sum_grad, sum_product};
+}
+
+// One (a, b) run of n elements for `row_extremes`: into out its max x, min x, whether a NaN is
+// among them (1 or 0) and, where g is given, Σ |g| in interleaved lanes (`channel_run`).
+template <typename T>
+OVT_CLONES void extremes_run(const T* __restrict__ x, const T* __restrict__ g, int64_t n,
+                             double* __restrict__ out) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes h = zero - INFINITY, l = zero + INFINITY, a0 = zero, a1 = zero;
+  LaneBits nan = {0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    const Lanes v = load_lanes(x + j);
+    h = v > h ? v : h;
+    l = v < l ? v : l;
+    nan |= v != v;
+  }
+  double top = -INFINITY, bottom = INFINITY;
+  bool any_nan = false;
+  for (int64_t k = 0; k < kWidth; ++k) {
+    top = std::max(top, h[k]);
+    bottom = std::min(bottom, l[k]);
+    any_nan = any_nan || nan[k] != 0;
+  }
+  for (; j < n; ++j) {
+    const double v = x[j];
+    top = v > top ? v : top;
+    bottom = v < bottom ? v : bottom;
+    any_nan = any_nan || v != v;
+  }
+  out[0] = top;
+  out[1] = bottom;
+  out[2] = any_nan ? 1.0 : 0.0;
+  out[3] = 0.0;
+  if (g == nullptr) return;
+  j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    a0 += abs_lanes(load_lanes(g + j));
+    a1 += abs_lanes(load_lanes(g + j + kWidth));
+  }
+  double total = sum_lanes(a0) + sum_lanes(a1);
+  for (; j < n; ++j) total += std::fabs(static_cast<double>(g[j]));
+  out[3] = total;
+}
+
+template <typename T>
+void row_extremes_run(const T* xp, const T* gp, double* top, double* bottom, double* magnitudes,
+                      int64_t a, int64_t b, int64_t c) {
+  std::vector<double> cells(static_cast<size_t>(a * b * 4));
+  at::parallel_for(0, a * b, std::max<int64_t>(1, kGrain / std::max<int64_t>(c, 1)),
+                   [&](int64_t first, int64_t last) {
+    for (int64_t cell = first; cell < last; ++cell) {
+      extremes_run(xp + cell * c, gp == nullptr ? nullptr : gp + cell * c, c,
+                   cells.data() + cell * 4);
+    }
+  });
+  for (int64_t row = 0; row < b; ++row) {
+    double h = -INFINITY, l = INFINITY, m = 0.0;
+    bool any_nan = false;
+    for (int64_t i = 0; i < a; ++i) {
+      const double* cell = cells.data() + (i * b + row) * 4;
+      h = cell[0] > h ? cell[0] : h;
+      l = cell[1] < l ? cell[1] : l;
+      any_nan = any_nan || cell[2] != 0.0;
+      m += cell[3];
+    }
+    top[row] = any_nan ? NAN : h;
+    bottom[row] = any_nan ? NAN : l;
+    if (magnitudes != nullptr) magnitudes[row] = m;
+  }
+}
+
+// Per row b of x viewed as (A, B, C) (`row_stats`): max x and min x (NaN where a NaN is among
+// them, as torch's amax and amin), and where g (x's shape and dtype) is given Σ |g| in float64
+// (else an empty tensor) — the statistics' rules' terms (bounds.py `_norm_stats_rule`,
+// `_norm_backward_stats`), in one read. The extremes are exact in any order; the sum is in this
+// kernel's fixed order.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> row_extremes(const at::Tensor& x,
+                                                            const c10::optional<at::Tensor>& g,
+                                                            int64_t a, int64_t b, int64_t c) {
+  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "row_extremes: x must be a contiguous float64 or float32 CPU tensor");
+  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && a * b * c == x.numel() && a * c > 0,
+              "row_extremes: the view (A, B, C) does not hold x's elements, or its rows are empty");
+  TORCH_CHECK(!g.has_value() || (g->dtype() == x.dtype() && g->is_contiguous() &&
+                                 g->device().is_cpu() && g->sizes() == x.sizes()),
+              "row_extremes: g must be a contiguous CPU tensor of x's shape and dtype");
+  const auto options = x.options().dtype(at::kDouble);
+  at::Tensor top = at::empty({b}, options), bottom = at::empty({b}, options);
+  at::Tensor magnitudes = at::empty({g.has_value() ? b : 0}, options);
+  double* mp = g.has_value() ? magnitudes.data_ptr<double>() : nullptr;
+  if (x.dtype() == at::kDouble) {
+    row_extremes_run(x.data_ptr<double>(), g.has_value() ? g->data_ptr<double>() : nullptr,
+                     top.data_ptr<double>(), bottom.data_ptr<double>(), mp, a, b, c);
+  } else {
+    row_extremes_run(x.data_ptr<float>(), g.has_value() ? g->data_ptr<float>() : nullptr,
+                     top.data_ptr<double>(), bottom.data_ptr<double>(), mp, a, b, c);
+  }
+  return {top, bottom, magnitudes};
 }
 
 // Σ |x_j| for j < n, in interleaved lanes (`channel_run`).
@@ -1407,7 +1647,12 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def("small_quotients(Tensor a, Tensor? b, float v) -> bool");
   lib.def(
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
-  lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor)");
+  lib.def("row_stats(Tensor x, int a, int b, int c) -> (Tensor, Tensor)");
+  lib.def("row_extremes(Tensor x, Tensor? g, int a, int b, int c) -> (Tensor, Tensor, Tensor)");
+  lib.def(
+      "row_backward_sums(Tensor g, Tensor x, Tensor mean, int a, int b, int c) "
+      "-> (Tensor, Tensor)");
   lib.def(
       "log_softmax_backward_bound(Tensor g, Tensor y, float coefficient, float extra) -> Tensor");
   lib.def(
@@ -1436,6 +1681,9 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("norms", &norms);
   lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
   lib.impl("channel_sums", &channel_sums);
+  lib.impl("row_stats", &row_stats);
+  lib.impl("row_extremes", &row_extremes);
+  lib.impl("row_backward_sums", &row_backward_sums);
   lib.impl("log_softmax_backward_bound", &log_softmax_backward_bound);
   lib.impl("window_norms", &window_norms);
   lib.impl("fused_normalize", &normalize);

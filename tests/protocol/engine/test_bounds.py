@@ -55,6 +55,7 @@ from protocol.engine.bounds import (
     BoundContext,
     _channel_sums,
     _norms,
+    _row_extremes,
     _window_norms,
     bounds_for,
     dense_bound,
@@ -535,7 +536,7 @@ CONV_ORDERS = ("reversed", "largest-first", "shuffled")
                                   pytest.param("subnormal", marks=pytest.mark.slow),
                                   pytest.param("edges", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("conv", CONVS, ids=CONV_IDS)
-def test_convolution_forward_and_backward(conv, kind, bound_arithmetic):
+def test_convolution_forward_and_backward(conv, kind, own_arithmetic):
     x_shape, w_shape, *spec = conv
     spec = tuple(spec)
     x, w = data(kind, x_shape, 11), data(kind, w_shape, 12)
@@ -1449,7 +1450,7 @@ def test_index_put_accumulate_counts_broadcast_positions():
     ((800, 3001), 1, True),  # a transposed view's rows
     ((3, 1200, 700), 1, False),  # batched (bmm's operands)
 ])
-def test_blocked_norms_are_the_norms(shape, dim, transpose, bound_arithmetic):
+def test_blocked_norms_are_the_norms(shape, dim, transpose, own_arithmetic):
     """Norms along a strided dimension of a large tensor (`bounds._norms`: the C++ pass, or
     torch ops summing a block at a time): within a K-term sum's rounding of the exact norms
     (Fractions, on a sample of the columns), as the squares summed at once are; so the
@@ -1530,7 +1531,7 @@ def test_window_norms_of_the_kernel_are_the_convolutions(size, kernel, stride, p
                        + 1 + (stride[i] - 1) for i in range(2)]
     grads = torch.rand((4, 1, *out), generator=g, dtype=F64)
     backward = _window_norms(grads, kernel, stride, padding, dilation, True, transposed_size)
-    monkeypatch.setattr(fused, "computes_bounds", lambda t: False)
+    monkeypatch.setattr(fused, "own_arithmetic", lambda t: False)
     for got, want in ((forward, _window_norms(squares, kernel, stride, padding, dilation)),
                       (backward, _window_norms(grads, kernel, stride, padding, dilation, True,
                                                transposed_size))):
@@ -1542,8 +1543,8 @@ def test_window_norms_of_the_kernel_are_the_convolutions(size, kernel, stride, p
 @pytest.mark.parametrize("shape", [(5, 3, 4, 6), (2, 7, 9), (3, 4), (1, 2, 3, 2, 2)])
 def test_channel_sums_of_the_kernel_are_the_torch_sums(shape, dtype, monkeypatch):
     """`_channel_sums` in its one C++ read against torch ops: the sums of squares and of
-    magnitudes to a K-term sum's rounding, the maxima and minima bit for bit; a channel holding
-    a NaN has NaN extremes, one holding an infinity an infinite sum of squares."""
+    magnitudes to a K-term sum's rounding; a channel holding a NaN has NaN sums, one holding an
+    infinity an infinite sum of squares."""
     if fused.MISSING is not None:
         pytest.skip(f"the fused library is not built: {fused.MISSING}")
     g = torch.Generator().manual_seed(9)
@@ -1551,9 +1552,9 @@ def test_channel_sums_of_the_kernel_are_the_torch_sums(shape, dtype, monkeypatch
          torch.exp2(torch.randint(-30, 30, shape, generator=g).float())).to(dtype)
     t[0, 1] = math.nan
     t[-1, 0].reshape(-1)[-1] = -math.inf
-    got = _channel_sums(t, spatial=True, squares=True, magnitudes=True, extremes=True)
-    monkeypatch.setattr(fused, "computes_bounds", lambda t: False)
-    want = _channel_sums(t, spatial=True, squares=True, magnitudes=True, extremes=True)
+    got = _channel_sums(t, spatial=True, squares=True, magnitudes=True)
+    monkeypatch.setattr(fused, "own_arithmetic", lambda t: False)
+    want = _channel_sums(t, spatial=True, squares=True, magnitudes=True)
     terms = t.numel() // t.shape[1]
     for name in ("spatial", "squares", "magnitudes"):
         a, b = getattr(got, name), getattr(want, name)
@@ -1561,10 +1562,41 @@ def test_channel_sums_of_the_kernel_are_the_torch_sums(shape, dtype, monkeypatch
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), name
         finite = a.isfinite()
         assert torch.all((a[finite] - b[finite]).abs() <= terms * 2.0**-52 * b[finite]), name
-    for name in ("top", "bottom"):
-        assert torch.equal(getattr(got, name).nan_to_num(7.0),
-                           getattr(want, name).nan_to_num(7.0)), name
-    assert got.top[1].isnan() and got.squares[0] == math.inf
+    assert got.squares[1].isnan() and got.squares[0] == math.inf
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("shape, dims", [((5, 3, 4, 6), [0, 2, 3]), ((2, 7, 9), [2]),
+                                         ((3, 4), [0]), ((6, 10), [1]), ((300, 4, 130), [0, 2]),
+                                         ((2, 3, 4), [1])])
+def test_row_extremes_of_the_kernel_are_the_torch_ones(shape, dims, dtype, monkeypatch):
+    """The norm statistics' rules' terms (`_row_extremes`) in one C++ read against torch ops:
+    each row's max and min bit for bit, NaN where a NaN is among the row (in a lane and in a
+    tail alike), an infinity kept; Σ |g| to a K-term sum's rounding. A reduction the kernel
+    does not take ((2, 3, 4) over its middle) gives the torch ops' values either way."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(shape, generator=gen) *
+         torch.exp2(torch.randint(-30, 30, shape, generator=gen).float())).to(dtype)
+    g = torch.randn(shape, generator=gen, dtype=dtype)
+    flat = x.view(-1)
+    flat[0], flat[-1], flat[x.numel() // 2 - 1] = math.nan, math.inf, -math.inf  # 3 rows
+    g.view(-1)[1] = math.nan
+    got = _row_extremes(x, dims, g)
+    monkeypatch.setattr(fused, "own_arithmetic", lambda t: False)
+    want = _row_extremes(x, dims, g)
+    for a, b in zip(got[:2], want[:2], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == F64
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and \
+            torch.equal(a.isnan(), b.isnan())
+    assert got[0].isnan().any() and got[0].isinf().any() and got[1].isinf().any()
+    a, b = got[2], want[2]
+    assert a is not None and b is not None and a.shape == b.shape
+    assert torch.equal(a.isnan(), b.isnan()) and a.isnan().any()
+    terms = math.prod(x.shape[d] for d in dims)
+    finite = a.isfinite()
+    assert torch.all((a[finite] - b[finite]).abs() <= terms * 2.0**-52 * b[finite])
 
 
 def test_the_kernels_exp_bound_is_above_exp_and_close():
@@ -1609,7 +1641,7 @@ def test_the_kernels_exp_bound_is_above_exp_and_close():
 
 
 @pytest.mark.parametrize("index", range(len(_norm_views())))
-def test_norms_of_every_layout(index, bound_arithmetic):
+def test_norms_of_every_layout(index, own_arithmetic):
     """`_norms` on each layout: the shape of the sum over `dim`, and each norm within a K-term
     sum's rounding of the exact one (Fractions), +inf where the column holds an infinity and
     NaN where it holds a NaN, 0 where it holds no terms."""

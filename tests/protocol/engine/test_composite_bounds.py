@@ -355,7 +355,7 @@ def gradients(kind: str, k: int, y: np.ndarray, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("k", LENGTHS)
 @pytest.mark.parametrize("grad", ["normal", "near-constant", "one-hot", "mixed"])
 @pytest.mark.parametrize("kind", ["normal", "wide", "dominant", "ties"])
-def test_softmax_backward(kind, grad, k, bound_arithmetic):
+def test_softmax_backward(kind, grad, k, own_arithmetic):
     x = t64(rows(kind, k, seed=3 * k + 1))
     y = f32(torch.softmax(x, 1).numpy())
     logp = f32(torch.log_softmax(x, 1).numpy())
@@ -566,7 +566,7 @@ def layer_norm_backward_formulas(order: str) -> Callable:
                                   "constant-large"])
 @pytest.mark.parametrize("shape", [(6, 7), (40, 64), pytest.param((300, 96),
                                                                   marks=pytest.mark.slow)])
-def test_layer_norm_backward(kind, shape, bound_arithmetic):
+def test_layer_norm_backward(kind, shape, own_arithmetic):
     m, n = shape
     g, x, mean, rstd, w, b = layer_norm_inputs(kind, m, n, seed=m + n)
     func = aten.native_layer_norm_backward.default
@@ -594,7 +594,7 @@ def test_layer_norm_backward(kind, shape, bound_arithmetic):
             judge(f"layer-norm-backward {name}", machine, np.asarray(y), dense, ex)
 
 
-def test_layer_norm_backward_bound_has_teeth(bound_arithmetic):
+def test_layer_norm_backward_bound_has_teeth(own_arithmetic):
     """Where the mean is large against the spread, ATen's CPU form errs by far more than the
     decomposition's form would: S1·μ − ds cancels and b·x + c rounds on |b|·(|x| + |μ|). The
     rule's bound holds there; the bound an analysis of the centred form alone gives (Q' and

@@ -550,7 +550,7 @@ def certified(kind: str, k: int, lay: str, seed: int, prec: Precision):
 @pytest.mark.parametrize("lay", LAYOUTS)
 @pytest.mark.parametrize("k", LENGTHS)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_norm_stats_native_and_formulas(kind, k, lay):
+def test_norm_stats_native_and_formulas(kind, k, lay, own_arithmetic):
     got = certified(kind, k, lay, seed=k, prec=F64)
     if got is None:
         return  # declined, as the docstring says (asserted by `certified`)
@@ -943,14 +943,14 @@ def backward_runs(prec: Precision, case_: tuple) -> dict[str, list[np.ndarray]]:
 @pytest.mark.parametrize("lay", LAYOUTS)
 @pytest.mark.parametrize("k", BACKWARD_LENGTHS)
 @pytest.mark.parametrize("kind", BACKWARD_KINDS)
-def test_norm_backward_stats(kind, k, lay, prec, bound_arithmetic):
+def test_norm_backward_stats(kind, k, lay, prec, own_arithmetic):
     case_ = backward_case(kind, k, lay, seed=k, prec=prec)
     backward_check(f"{kind} K={k} {lay} ({prec.compute})", prec, case_,
                    backward_runs(prec, case_))
 
 
 @pytest.mark.parametrize("prec", [F64, F32], ids=["float64", "float32"])
-def test_norm_backward_stats_bounds_are_nearly_reached(prec, bound_arithmetic):
+def test_norm_backward_stats_bounds_are_nearly_reached(prec, own_arithmetic):
     """Both bounds are the proofs' nearly as they stand: on one term of 1 then K − 1 terms of
     u (K = 768, "half-ulp"), a sequential sum in decreasing order rounds every add back to 1,
     an error of (K − 1)·u against e / 2 = γ_K·Σ |g| (Σ g) and γ_{K+1}·Σ |g|·max |x − mean|

@@ -109,6 +109,77 @@ def test_fused_formula_declines_what_it_does_not_take(monkeypatch):
     assert take(normops.NORMALIZE, (x, mean, rstd, weight, None)) is None
 
 
+def torch_stats(x: torch.Tensor, dims: list[int], eps: float) -> list[torch.Tensor]:
+    """norm_stats's torch form: the sums in torch's order."""
+    k = int(np.prod([x.shape[d] for d in dims]))
+    mean = x.sum(dims, keepdim=True) / k
+    var = ((x - mean) * (x - mean)).sum(dims, keepdim=True) / k
+    return [mean, var, (var + eps).rsqrt()]
+
+
+def kernel_stats(x: torch.Tensor, dims: list[int], eps: float) -> list[torch.Tensor]:
+    """norm_stats's C++ form, called directly."""
+    view = normops.rows_view(x, dims)
+    assert view is not None
+    kept = normops.kept_shape(x, dims)
+    mean, var = (t.reshape(kept) for t in torch.ops.ovt.row_stats(x, *view))
+    return [mean, var, (var + eps).rsqrt()]
+
+
+# (shape, dims): a layer norm's rows, a batch norm's channels (the last two of each large
+# enough to be split between threads), and reductions the C++ statistics decline (middle
+# dimensions, a leading one of a 3-D tensor)
+STATS_TAKEN = [((6, 130), [1]), ((3, 5, 8), [1, 2]), ((4, 3, 7, 5), [0, 2, 3]), ((9, 4), [0]),
+               ((2, 3, 4, 2, 3), [0, 2, 3, 4]), ((1, 1), [-1]), ((1024, 129), [1]),
+               ((16, 8, 40, 40), [0, 2, 3])]
+STATS_DECLINED = [((3, 5, 8), [1]), ((4, 3, 7), [0]), ((4, 3, 7), [0, 1])]
+
+
+@needs_fused
+@pytest.mark.parametrize("case", STATS_TAKEN + STATS_DECLINED)
+def test_the_statistics_run_in_their_kernel_where_it_serves(case, monkeypatch):
+    """norm_stats and norm_backward_stats of float64 rows or channels are the C++ kernels'
+    results, bit for bit, else (another reduction, a float32 or non-contiguous input, the
+    library off: `fused.own_arithmetic`) torch's; the C++ sums' order is fixed, so one
+    thread and two give the same bits."""
+    shape, dims = case
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 1
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    taken = case in STATS_TAKEN
+    assert (normops.rows_view(x, dims) is not None) == taken
+    got = normops.norm_stats(x, dims, 1e-5)
+    want = kernel_stats(x, dims, 1e-5) if taken else torch_stats(x, dims, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    mean = got[0]
+    got_backward = normops.norm_backward_stats(g, x, mean, dims)
+    if taken:
+        kept = normops.kept_shape(x, dims)
+        want_backward = [t.reshape(kept) for t in torch.ops.ovt.row_backward_sums(
+            g, x, mean.contiguous(), *normops.rows_view(x, dims))]
+    else:
+        want_backward = [g.sum(dims, keepdim=True), ((x - mean) * g).sum(dims, keepdim=True)]
+    assert all(torch.equal(a, b) for a, b in zip(got_backward, want_backward, strict=True))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = normops.norm_stats(x, dims, 1e-5), normops.norm_backward_stats(g, x, mean, dims)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip([*alone[0], *alone[1]],
+                                                 [*got, *got_backward], strict=True))
+    narrow = x.float()  # (float32: the rules' extremes take it, the statistics do not)
+    assert (normops.rows_view(narrow, dims) is not None) == taken
+    assert all(torch.equal(a, b) for a, b in zip(normops.norm_stats(narrow, dims, 1e-5),
+                                                 torch_stats(narrow, dims, 1e-5), strict=True))
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)
+    assert strided.is_contiguous() or normops.rows_view(strided, dims) is None
+    monkeypatch.setattr(fused, "own_arithmetic", lambda t: False)
+    assert normops.rows_view(x, dims) is None
+    assert all(torch.equal(a, b) for a, b in zip(normops.norm_stats(x, dims, 1e-5),
+                                                 torch_stats(x, dims, 1e-5), strict=True))
+
+
 def _record(step, fused_on: bool, monkeypatch) -> tuple[list[torch.Tensor], list]:
     monkeypatch.setattr(fused, "ENABLED", fused_on and fused.MISSING is None)
     rec = SiteRecorder(POLICY)
