@@ -285,6 +285,7 @@ class _OpPlan:
     foreach: bool
     in_place: bool
     norm_formula: bool  # one of normops's normalize formulas (`RoundingMode._fused_formula`)
+    statistics: bool  # one of normops's statistics (`RoundingMode._narrow_statistics`)
 
 
 _PLANS: dict[int, _OpPlan] = {}
@@ -305,7 +306,7 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
         plan = _OpPlan(func, op_kind(func), op_name(func), packet in ("_to_copy", "copy_"),
                        packet in ("index_put", "index_put_"), positions, names,
                        pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
-                       func in normops.FORMULAS)
+                       func in normops.FORMULAS, func in normops.STATISTICS)
         _PLANS[id(func)] = plan
     return plan
 
@@ -393,6 +394,10 @@ class RoundingMode(TorchDispatchMode):
             done = self._in_parts(plan, func, args, rule)
             if done is not None:
                 return done[0]
+        if plan.statistics and rule is not None and not kwargs:
+            done = self._narrow_statistics(func, args, rule)
+            if done is not None:
+                return done[0]
         positions, names = plan.positions, plan.names
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         found = [False, False]  # target-dtype inputs, compute-dtype inputs
@@ -458,7 +463,7 @@ class RoundingMode(TorchDispatchMode):
             return None
         calls = pointwise.fused_plan(elements, in_place)
         if calls is None or pointwise.small_quotients(calls, self._round_scalar) or \
-                not claim(plan.name, sum(c.element.a.numel() for c in calls)):
+                not claim(plan.name, sum(c.numel for c in calls)):
             return None
         results = pointwise.run_fused(calls, in_place, self._round_scalar)
         if in_place:
@@ -480,6 +485,23 @@ class RoundingMode(TorchDispatchMode):
         if run is None or not claim(plan.name, args[0].numel()):
             return None
         return (run(),)
+
+    def _narrow_statistics(self, func, args: tuple, rule: Rule) -> tuple[Any] | None:
+        """A normalisation statistic (`normops.STATISTICS`) computed straight from its
+        target-dtype operands (`normops.narrow_statistics`: the bits of the op on widened
+        operands, with no widened copy of them) and rounded as a site like any other, its
+        rule's bounds read from those operands; `(results,)`, or None where that does not
+        serve (then the widened path computes the same bits). Under the float64 -> float32
+        policy only: in another the kernels' float64 is not the compute dtype."""
+        policy = self.policy
+        if (policy.compute, policy.target) != (torch.float64, torch.float32):
+            return None
+        operands = tuple(self._round_scalar(a) if isinstance(a, float) else a for a in args)
+        run = normops.narrow_statistics(func, operands)
+        if run is None:
+            return None
+        return (self._round_results(func, rule if self._bounds_needed() else None,
+                                    (operands, {}), run(), []),)
 
     def _in_parts(self, plan: _OpPlan, func, args: tuple, rule: Rule) -> tuple[Any] | None:
         """Compute and round a large elementwise op (`Rule.elementwise`, called without keyword

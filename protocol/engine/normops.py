@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -46,8 +47,7 @@ def norm_stats(x: torch.Tensor, dims: list[int], eps: float
     float64 `x` (their own order: the rule holds for any), else torch's."""
     view = rows_view(x, dims) if x.dtype == torch.float64 else None
     if view is not None:
-        mean, var = (t.reshape(kept_shape(x, dims)) for t in torch.ops.ovt.row_stats(x, *view))
-        return mean, var, (var + eps).rsqrt_()
+        return _kernel_stats(x, dims, eps, view)
     k = math.prod(x.shape[d] for d in dims)
     mean = x.sum(dims, keepdim=True).div_(k)
     deviation = x - mean
@@ -76,13 +76,9 @@ def norm_backward_stats(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
     normalisation's backward needs (batch norm's bias gradient, and with rstd its weight's).
     Both in one C++ pass where `rows_view` serves a float64 `x` (their own order), else
     torch's."""
-    view = rows_view(x, dims) if x.dtype == torch.float64 else None
-    if view is not None and grad.shape == x.shape and grad.dtype == x.dtype and \
-            grad.is_contiguous() and mean.dtype == x.dtype and mean.is_contiguous() and \
-            mean.numel() == view[1]:
-        kept = kept_shape(x, dims)
-        sum_grad, sum_product = torch.ops.ovt.row_backward_sums(grad, x, mean, *view)
-        return sum_grad.reshape(kept), sum_product.reshape(kept)
+    view = _backward_view(grad, x, mean, dims) if x.dtype == torch.float64 else None
+    if view is not None:
+        return _kernel_backward_sums(grad, x, mean, dims, view)
     return grad.sum(dims, keepdim=True), (x - mean).mul_(grad).sum(dims, keepdim=True)
 
 
@@ -115,6 +111,34 @@ def kept_shape(x: torch.Tensor, dims: list[int]) -> list[int]:
     return [1 if d in reduced else n for d, n in enumerate(x.shape)]
 
 
+def _backward_view(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, dims: list[int]
+                   ) -> tuple[int, int, int] | None:
+    """`rows_view` for norm_backward_stats: also `grad` of `x`'s shape and dtype and `mean`
+    one value per row, both contiguous; else None."""
+    view = rows_view(x, dims)
+    if view is None or grad.shape != x.shape or grad.dtype != x.dtype or \
+            not grad.is_contiguous() or mean.dtype != x.dtype or not mean.is_contiguous() or \
+            mean.numel() != view[1]:
+        return None
+    return view
+
+
+def _kernel_stats(x: torch.Tensor, dims: list[int], eps: float, view: tuple[int, int, int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_stats by `torch.ops.ovt.row_stats` (float64 results from float64 or float32 `x`)."""
+    mean, var = (t.reshape(kept_shape(x, dims)) for t in torch.ops.ovt.row_stats(x, *view))
+    return mean, var, (var + eps).rsqrt_()
+
+
+def _kernel_backward_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+                          dims: list[int], view: tuple[int, int, int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_backward_stats by `torch.ops.ovt.row_backward_sums` (float64 results)."""
+    kept = kept_shape(x, dims)
+    sum_grad, sum_product = torch.ops.ovt.row_backward_sums(grad, x, mean, *view)
+    return sum_grad.reshape(kept), sum_product.reshape(kept)
+
+
 @torch.library.custom_op("ovt::normalize_backward", mutates_args=())
 def normalize_backward(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                        rstd: torch.Tensor, weight: torch.Tensor | None, sum_grad: torch.Tensor,
@@ -134,6 +158,34 @@ NORMALIZE = torch.ops.ovt.normalize.default
 NORM_BACKWARD_STATS = torch.ops.ovt.norm_backward_stats.default
 NORMALIZE_BACKWARD = torch.ops.ovt.normalize_backward.default
 FORMULAS = frozenset({NORMALIZE, NORMALIZE_BACKWARD})
+STATISTICS = frozenset({NORM_STATS, NORM_BACKWARD_STATS})
+
+
+def narrow_statistics(func: torch._ops.OpOverload, args: tuple
+                      ) -> Callable[[], tuple[torch.Tensor, ...]] | None:
+    """norm_stats's or norm_backward_stats's float64 results computed by the C++ kernels
+    straight from its float32 operands `args` (a Python float among them already rounded as
+    the op reads it, SPEC §3.3), as a function to call: the kernels widen each element exactly
+    as they read it and sum in the order they sum float64 operands in, so these are the bits
+    of the op on the widened operands, without the widened copies. None where the kernels do
+    not serve these operands (`rows_view` of a float32 `x`; a gradient and a mean that do not
+    fit, `_backward_view`) or the fused passes are off (`fused.serves`: this is one, the same
+    bits as the widened path); then the interceptor widens them, as for any op."""
+    if not fused.serves(args[0]):
+        return None
+    if func == NORM_STATS:
+        x, dims, eps = args
+        view = rows_view(x, dims) if x.dtype == torch.float32 else None
+        if view is None:
+            return None
+        return partial(_kernel_stats, x, dims, eps, view)
+    if func == NORM_BACKWARD_STATS:
+        grad, x, mean, dims = args
+        view = _backward_view(grad, x, mean, dims) if x.dtype == torch.float32 else None
+        if view is None:
+            return None
+        return partial(_kernel_backward_sums, grad, x, mean, dims, view)
+    return None
 
 
 def fused_formula(func: torch._ops.OpOverload, args: tuple

@@ -210,11 +210,19 @@ def fixed_result(e: Elementwise) -> torch.Tensor:
 @dataclass(frozen=True)
 class FusedCall:
     """One `torch.ops.ovt.pointwise` call: `element` (its `b` possibly swapped with `a`), and
-    b's broadcast over the result (`_broadcast`); (1, numel) for none."""
+    b's broadcast over the result (`_broadcast`); (1, numel) for none. With `expand`, `element`
+    is an op on a scalar whose `a` is the compact form of an expanded operand (`_compact`), and
+    the result is its result expanded to that shape: the same values, each computed once."""
 
     element: Elementwise
     b_inner: int
     b_count: int
+    expand: torch.Size | None = None
+
+    @property
+    def numel(self) -> int:
+        """The elements of the result."""
+        return math.prod(self.expand) if self.expand is not None else self.element.a.numel()
 
 
 def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] | None:
@@ -225,12 +233,17 @@ def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] |
     not in place, where `a` is written). In place, the written tensors' memory is each their
     own, and an operand may be its element's written tensor itself but no other view of written
     memory, so that every element is read before it is written, as in the widened path, which
-    reads copies."""
+    reads copies. An op on a scalar (no `b`) takes an expanded `a` too, not in place: computed
+    on its compact form, the result expanded (`FusedCall.expand`)."""
     written = {_storage(e.a) for e in elements} if in_place else set()
     if in_place and len(written) < len(elements):
         return None
     calls = []
     for e in elements:
+        compact = _compact(e.a) if e.b is None and not in_place else None
+        expand = e.a.shape if compact is not None else None
+        if compact is not None:  # (an op on a scalar: b and c are None)
+            e = Elementwise(e.code, compact, None, None, e.v, e.exact)
         tensors = [t for t in (e.a, e.b, e.c) if t is not None]
         if not all(t.dtype == torch.float32 and t.is_contiguous() and fused.serves(t)
                    and t.numel() for t in tensors):
@@ -242,8 +255,21 @@ def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] |
         call = _call(e, in_place)
         if call is None:
             return None
-        calls.append(call)
+        calls.append(call if expand is None else FusedCall(call.element, call.b_inner,
+                                                           call.b_count, expand))
     return calls
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous tensor that `t` is an expansion of (`t.expand`: its dimensions of stride 0
+    one long there), or None where `t` is no such expansion (a dimension of stride 0 and length
+    above one, the others contiguous): the backward of a mean or a sum makes these, and an
+    op on a scalar is the same on each copy of an element."""
+    if not any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
+        return None
+    compact = t.as_strided([1 if s == 0 else n for n, s in zip(t.shape, t.stride(), strict=True)],
+                           t.stride())
+    return compact if compact.is_contiguous() else None
 
 
 def _call(e: Elementwise, in_place: bool) -> FusedCall | None:
@@ -305,7 +331,7 @@ def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torc
         out = e.a if in_place else torch.empty_like(e.a)
         torch.ops.ovt.pointwise(e.code, e.a, e.b, e.c, _scalar(e, round_scalar), out,
                                 call.b_inner, call.b_count)
-        results.append(out)
+        results.append(out if call.expand is None else out.expand(call.expand).contiguous())
     return results
 
 

@@ -1185,14 +1185,17 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
 
 // The normalisation statistics (normops.py `norm_stats`, `norm_backward_stats`; SPEC §3.2.1):
 // their own summation order, not torch's (the ops' rules hold for any order of their sums), on
-// float64 x viewed as (A, B, C), each of the B rows reduced over A and C — a layer norm's rows
-// (A = 1) or a batch norm's channels (A samples of C positions). Each (a, b) run of C elements
-// is summed in interleaved lanes (`channel_run`), then each row's A runs in order: the same bits
-// whatever the thread count.
+// x viewed as (A, B, C), each of the B rows reduced over A and C — a layer norm's rows (A = 1)
+// or a batch norm's channels (A samples of C positions). Each (a, b) run of C elements is summed
+// in interleaved lanes (`channel_run`), then each row's A runs in order: the same bits whatever
+// the thread count. Float64 operands, or float32 ones widened exactly as they are read: the
+// same bits as on their float64 copies (the interceptor's narrow path, normops.py
+// `narrow_statistics`).
 
 // Σ x_j, and with `mean` given Σ (x_j − mean)², for j < n (each difference and square rounded
 // on its own: -ffp-contract=off).
-OVT_CLONES double run_sum(const double* __restrict__ x, int64_t n) {
+template <typename T>
+OVT_CLONES double run_sum(const T* __restrict__ x, int64_t n) {
   const Lanes zero = {0.0, 0.0, 0.0, 0.0};
   Lanes s0 = zero, s1 = zero;
   int64_t j = 0;
@@ -1201,11 +1204,12 @@ OVT_CLONES double run_sum(const double* __restrict__ x, int64_t n) {
     s1 += load_lanes(x + j + kWidth);
   }
   double total = sum_lanes(s0) + sum_lanes(s1);
-  for (; j < n; ++j) total += x[j];
+  for (; j < n; ++j) total += static_cast<double>(x[j]);
   return total;
 }
 
-OVT_CLONES double run_deviation_squares(const double* __restrict__ x, double mean, int64_t n) {
+template <typename T>
+OVT_CLONES double run_deviation_squares(const T* __restrict__ x, double mean, int64_t n) {
   const Lanes zero = {0.0, 0.0, 0.0, 0.0};
   Lanes s0 = zero, s1 = zero;
   int64_t j = 0;
@@ -1216,15 +1220,16 @@ OVT_CLONES double run_deviation_squares(const double* __restrict__ x, double mea
   }
   double total = sum_lanes(s0) + sum_lanes(s1);
   for (; j < n; ++j) {
-    const double d = x[j] - mean;
+    const double d = static_cast<double>(x[j]) - mean;
     total += d * d;
   }
   return total;
 }
 
 // Σ g_j and Σ (x_j − mean)·g_j for j < n, into out[0] and out[1].
-OVT_CLONES void run_backward_sums(const double* __restrict__ g, const double* __restrict__ x,
-                                  double mean, int64_t n, double* __restrict__ out) {
+template <typename T>
+OVT_CLONES void run_backward_sums(const T* __restrict__ g, const T* __restrict__ x, double mean,
+                                  int64_t n, double* __restrict__ out) {
   const Lanes zero = {0.0, 0.0, 0.0, 0.0};
   Lanes s0 = zero, s1 = zero, p0 = zero, p1 = zero;
   int64_t j = 0;
@@ -1237,32 +1242,26 @@ OVT_CLONES void run_backward_sums(const double* __restrict__ g, const double* __
   }
   double sg = sum_lanes(s0) + sum_lanes(s1), sp = sum_lanes(p0) + sum_lanes(p1);
   for (; j < n; ++j) {
-    sg += g[j];
-    sp += (x[j] - mean) * g[j];
+    const double gj = g[j];
+    sg += gj;
+    sp += (static_cast<double>(x[j]) - mean) * gj;
   }
   out[0] = sg;
   out[1] = sp;
 }
 
-void check_stats_view(const at::Tensor& t, int64_t a, int64_t b, int64_t c, const char* name) {
-  TORCH_CHECK(t.dtype() == at::kDouble && t.is_contiguous() && t.device().is_cpu(), name,
-              ": the tensors must be contiguous float64 CPU tensors");
+void check_stats_view(const at::Tensor& t, at::ScalarType dtype, int64_t a, int64_t b, int64_t c,
+                      const char* name) {
+  TORCH_CHECK((t.scalar_type() == at::kDouble || t.scalar_type() == at::kFloat) &&
+                  t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(),
+              name, ": the tensors must be contiguous CPU tensors, all float64 or all float32");
   TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && a * b * c == t.numel(), name,
               ": the view (A, B, C) does not hold the tensor's elements");
 }
 
-// Per row b of x viewed as (A, B, C): the mean Σ x / K and the biased variance
-// Σ (x − mean)² / K, K = A·C, the deviations from the computed mean (two passes).
-std::tuple<at::Tensor, at::Tensor> row_stats(const at::Tensor& x, int64_t a, int64_t b,
-                                             int64_t c) {
-  check_stats_view(x, a, b, c, "row_stats");
-  TORCH_CHECK(a * c > 0, "row_stats: empty rows have no statistics");
-  const auto options = x.options();
-  at::Tensor mean = at::empty({b}, options), var = at::empty({b}, options);
+template <typename T>
+void row_stats_run(const T* xp, double* mp, double* vp, int64_t a, int64_t b, int64_t c) {
   std::vector<double> cells(static_cast<size_t>(a * b));
-  const double* xp = x.data_ptr<double>();
-  double* mp = mean.data_ptr<double>();
-  double* vp = var.data_ptr<double>();
   const double k = static_cast<double>(a * c);
   const int64_t grain = std::max<int64_t>(1, kGrain / c);
   auto rows = [&](double* out) {  // each row's cells added in order, divided by K
@@ -1284,30 +1283,37 @@ std::tuple<at::Tensor, at::Tensor> row_stats(const at::Tensor& x, int64_t a, int
     }
   });
   rows(vp);
+}
+
+// Per row b of x viewed as (A, B, C): the mean Σ x / K and the biased variance
+// Σ (x − mean)² / K, K = A·C, the deviations from the computed mean (two passes), in float64.
+std::tuple<at::Tensor, at::Tensor> row_stats(const at::Tensor& x, int64_t a, int64_t b,
+                                             int64_t c) {
+  check_stats_view(x, x.scalar_type(), a, b, c, "row_stats");
+  TORCH_CHECK(a * c > 0, "row_stats: empty rows have no statistics");
+  const auto options = x.options().dtype(at::kDouble);
+  at::Tensor mean = at::empty({b}, options), var = at::empty({b}, options);
+  if (x.scalar_type() == at::kDouble) {
+    row_stats_run(x.data_ptr<double>(), mean.data_ptr<double>(), var.data_ptr<double>(), a, b,
+                  c);
+  } else {
+    row_stats_run(x.data_ptr<float>(), mean.data_ptr<double>(), var.data_ptr<double>(), a, b,
+                  c);
+  }
   return {mean, var};
 }
 
-// Per row b of g and x viewed as (A, B, C): Σ g and Σ (x − mean_b)·g.
-std::tuple<at::Tensor, at::Tensor> row_backward_sums(const at::Tensor& g, const at::Tensor& x,
-                                                     const at::Tensor& mean, int64_t a, int64_t b,
-                                                     int64_t c) {
-  check_stats_view(g, a, b, c, "row_backward_sums");
-  check_stats_view(x, a, b, c, "row_backward_sums");
-  check_stats_view(mean, 1, b, 1, "row_backward_sums");
-  const auto options = x.options();
-  at::Tensor sum_grad = at::empty({b}, options), sum_product = at::empty({b}, options);
+template <typename T>
+void row_backward_run(const T* gp, const T* xp, const T* mp, double* sg, double* sp, int64_t a,
+                      int64_t b, int64_t c) {
   std::vector<double> cells(static_cast<size_t>(a * b * 2));
-  const double* gp = g.data_ptr<double>();
-  const double* xp = x.data_ptr<double>();
-  const double* mp = mean.data_ptr<double>();
   at::parallel_for(0, a * b, std::max<int64_t>(1, kGrain / std::max<int64_t>(c, 1)),
                    [&](int64_t first, int64_t last) {
     for (int64_t cell = first; cell < last; ++cell) {
-      run_backward_sums(gp + cell * c, xp + cell * c, mp[cell % b], c, cells.data() + cell * 2);
+      run_backward_sums(gp + cell * c, xp + cell * c, static_cast<double>(mp[cell % b]), c,
+                        cells.data() + cell * 2);
     }
   });
-  double* sg = sum_grad.data_ptr<double>();
-  double* sp = sum_product.data_ptr<double>();
   for (int64_t row = 0; row < b; ++row) {
     double s = 0.0, p = 0.0;
     for (int64_t i = 0; i < a; ++i) {
@@ -1317,30 +1323,59 @@ std::tuple<at::Tensor, at::Tensor> row_backward_sums(const at::Tensor& g, const 
     sg[row] = s;
     sp[row] = p;
   }
+}
+
+// Per row b of g and x viewed as (A, B, C): Σ g and Σ (x − mean_b)·g, in float64.
+std::tuple<at::Tensor, at::Tensor> row_backward_sums(const at::Tensor& g, const at::Tensor& x,
+                                                     const at::Tensor& mean, int64_t a, int64_t b,
+                                                     int64_t c) {
+  check_stats_view(x, x.scalar_type(), a, b, c, "row_backward_sums");
+  check_stats_view(g, x.scalar_type(), a, b, c, "row_backward_sums");
+  check_stats_view(mean, x.scalar_type(), 1, b, 1, "row_backward_sums");
+  const auto options = x.options().dtype(at::kDouble);
+  at::Tensor sum_grad = at::empty({b}, options), sum_product = at::empty({b}, options);
+  if (x.scalar_type() == at::kDouble) {
+    row_backward_run(g.data_ptr<double>(), x.data_ptr<double>(), mean.data_ptr<double>(),
+                     sum_grad.data_ptr<double>(), sum_product.data_ptr<double>(), a, b, c);
+  } else {
+    row_backward_run(g.data_ptr<float>(), x.data_ptr<float>(), mean.data_ptr<float>(),
+                     sum_grad.data_ptr<double>(), sum_product.data_ptr<double>(), a, b, c);
+  }
   return {sum_grad, sum_product};
 }
 
 // One (a, b) run of n elements for `row_extremes`: into out its max x, min x, whether a NaN is
-// among them (1 or 0) and, where g is given, Σ |g| in interleaved lanes (`channel_run`).
+// among them (1 or 0) and, where g is given, Σ |g| in interleaved lanes (`channel_run`). The
+// extremes are compared in x's own type (exact), a full vector of it at a time, in two chains.
 template <typename T>
 OVT_CLONES void extremes_run(const T* __restrict__ x, const T* __restrict__ g, int64_t n,
                              double* __restrict__ out) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes h = zero - INFINITY, l = zero + INFINITY, a0 = zero, a1 = zero;
-  LaneBits nan = {0, 0, 0, 0};
+  typedef T Native __attribute__((vector_size(32)));
+  constexpr int64_t width = 32 / sizeof(T);
+  Native h0, l0;
+  for (int64_t i = 0; i < width; ++i) {
+    h0[i] = -INFINITY;
+    l0[i] = INFINITY;
+  }
+  Native h1 = h0, l1 = l0;
+  auto nan = h0 != h0;  // (all false: a mask of x's width)
   int64_t j = 0;
-  for (; j + kWidth <= n; j += kWidth) {
-    const Lanes v = load_lanes(x + j);
-    h = v > h ? v : h;
-    l = v < l ? v : l;
-    nan |= v != v;
+  for (; j + 2 * width <= n; j += 2 * width) {
+    Native v0, v1;
+    std::memcpy(&v0, x + j, sizeof v0);
+    std::memcpy(&v1, x + j + width, sizeof v1);
+    h0 = v0 > h0 ? v0 : h0;
+    h1 = v1 > h1 ? v1 : h1;
+    l0 = v0 < l0 ? v0 : l0;
+    l1 = v1 < l1 ? v1 : l1;
+    nan |= (v0 != v0) | (v1 != v1);
   }
   double top = -INFINITY, bottom = INFINITY;
   bool any_nan = false;
-  for (int64_t k = 0; k < kWidth; ++k) {
-    top = std::max(top, h[k]);
-    bottom = std::min(bottom, l[k]);
-    any_nan = any_nan || nan[k] != 0;
+  for (int64_t i = 0; i < width; ++i) {
+    top = std::max({top, static_cast<double>(h0[i]), static_cast<double>(h1[i])});
+    bottom = std::min({bottom, static_cast<double>(l0[i]), static_cast<double>(l1[i])});
+    any_nan = any_nan || nan[i] != 0;
   }
   for (; j < n; ++j) {
     const double v = x[j];
@@ -1353,6 +1388,8 @@ OVT_CLONES void extremes_run(const T* __restrict__ x, const T* __restrict__ g, i
   out[2] = any_nan ? 1.0 : 0.0;
   out[3] = 0.0;
   if (g == nullptr) return;
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes a0 = zero, a1 = zero;
   j = 0;
   for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
     a0 += abs_lanes(load_lanes(g + j));

@@ -172,6 +172,15 @@ def test_the_statistics_run_in_their_kernel_where_it_serves(case, monkeypatch):
     assert (normops.rows_view(narrow, dims) is not None) == taken
     assert all(torch.equal(a, b) for a, b in zip(normops.norm_stats(narrow, dims, 1e-5),
                                                  torch_stats(narrow, dims, 1e-5), strict=True))
+    # the interceptor's narrow path: from float32 operands, the bits of the op on their widening
+    narrow_g, narrow_mean = g.float(), mean.float().contiguous()
+    for func, operands in ((normops.NORM_STATS, (narrow, dims, 1e-5)),
+                           (normops.NORM_BACKWARD_STATS, (narrow_g, narrow, narrow_mean, dims))):
+        run = normops.narrow_statistics(func, operands)
+        assert (run is not None) == taken, func
+        if run is not None:
+            widened = [a.double() if isinstance(a, torch.Tensor) else a for a in operands]
+            assert all(torch.equal(a, b) for a, b in zip(run(), func(*widened), strict=True))
     strided = x.transpose(0, -1).contiguous().transpose(0, -1)
     assert strided.is_contiguous() or normops.rows_view(strided, dims) is None
     monkeypatch.setattr(fused, "own_arithmetic", lambda t: False)
@@ -191,23 +200,43 @@ def _record(step, fused_on: bool, monkeypatch) -> tuple[list[torch.Tensor], list
 @needs_fused
 def test_a_recorded_step_is_the_same_with_and_without_the_fused_passes(monkeypatch):
     """Layer norm and batch norm, forward and backward, recorded twice: the same results and
-    the same log."""
+    the same log. With the fused passes the statistics are computed straight from float32
+    operands (`normops.narrow_statistics`): both layer norms' and batch norm's statistics and
+    batch norm's backward sums are (and the layer norms' rows cross the threads: (64, 129))."""
     gen = torch.Generator().manual_seed(7)
     x_ln, x_bn = torch.randn(5, 3, 16, generator=gen) * 2 + 1, torch.randn(8, 4, 6, 6,
                                                                             generator=gen)
+    x_wide = torch.randn(64, 129, generator=gen) * 3 - 2
     w_ln, w_bn = torch.randn(16, generator=gen), torch.randn(4, generator=gen)
     g_ln, g_bn = torch.randn(5, 3, 16, generator=gen), torch.randn(8, 4, 6, 6, generator=gen)
+    g_wide = torch.randn(64, 129, generator=gen)
 
     def step() -> list[torch.Tensor]:
         a, wa = x_ln.clone().requires_grad_(), w_ln.clone().requires_grad_()
         b, wb = x_bn.clone().requires_grad_(), w_bn.clone().requires_grad_()
+        c = x_wide.clone().requires_grad_()
         y_ln = F.layer_norm(a, (16,), wa, None, 1e-5)
         y_bn = F.batch_norm(b, torch.zeros(4), torch.ones(4), wb, None, training=True)
-        torch.autograd.backward([y_ln, y_bn], [g_ln, g_bn])
-        return [y_ln.detach(), y_bn.detach(), a.grad, wa.grad, b.grad, wb.grad]
+        y_wide = F.layer_norm(c, (129,), None, None, 1e-3)
+        torch.autograd.backward([y_ln, y_bn, y_wide], [g_ln, g_bn, g_wide])
+        return [y_ln.detach(), y_bn.detach(), y_wide.detach(), a.grad, wa.grad, b.grad,
+                wb.grad, c.grad]
 
+    served = []
+    narrow = normops.narrow_statistics
+
+    def counted(func, args):
+        run = narrow(func, args)
+        if run is not None:
+            served.append(func)
+        return run
+
+    monkeypatch.setattr(normops, "narrow_statistics", counted)
     fused_outs, fused_log = _record(step, True, monkeypatch)
+    assert sorted(map(str, served)) == sorted(map(str, [normops.NORM_STATS] * 3 +
+                                                      [normops.NORM_BACKWARD_STATS]))
     torch_outs, torch_log = _record(step, False, monkeypatch)
+    assert len(served) == 4  # (none with the fused passes off)
     for a, b in zip(fused_outs, torch_outs, strict=True):
         assert same_bits(a, b)
     assert len(fused_log) == len(torch_log)

@@ -389,6 +389,36 @@ def test_broadcast_mul_add_sub_are_fused_with_the_same_bits():
                           want.view(np.int32))
 
 
+@needs_fused
+def test_ops_on_a_scalar_of_an_expanded_tensor_are_fused_with_the_same_bits():
+    """A division, product, sum, difference or root of an expanded tensor (a mean's or a
+    sum's backward: `grad.expand(...) / n`) is fused — computed on its compact form, the
+    result expanded — a site of the result's size, with the torch path's bits, hard values
+    and NaNs included; an expansion of a non-contiguous tensor and an in-place op are not."""
+    s, _, _ = cancelling(11)
+    compact = T(s[:4 * 8].copy()).reshape(4, 8, 1, 1)
+    expanded = compact.expand(4, 8, 5, 6)
+    leading = T(s[:6].copy()).expand(7, 6)
+    calls = {
+        "div": lambda: expanded / 256, "div float": lambda: torch.div(expanded, 0.3),
+        "mul": lambda: expanded * 1e-3, "add": lambda: expanded + 2.5,
+        "sub": lambda: expanded - 1, "sqrt": lambda: torch.sqrt(expanded),
+        "leading": lambda: leading / 3,
+    }
+    for name, call in calls.items():
+        got, want, claimed = _both_paths(call)
+        assert claimed, name
+        assert got.shape == want.shape and got.is_contiguous() and _same(got, want), name
+    transposed = T(s[:48].copy()).reshape(6, 8).t().reshape(8, 6, 1).expand(8, 6, 3)
+    for name, call in {"expanded transpose": lambda: transposed / 3,
+                       "tensor operand": lambda: expanded * expanded}.items():
+        got, want, claimed = _both_paths(call)
+        assert not claimed, name
+        assert _same(got, want), name
+    assert pointwise.fused_plan(pointwise.operands(torch.ops.aten.div_.Scalar,
+                                                   (expanded, 2.0), {}), True) is None
+
+
 def _add_shifted(buf: torch.Tensor) -> torch.Tensor:
     """buf[i] += buf[i + 1], in place over the same memory."""
     return buf[:-1].add_(buf[1:])
