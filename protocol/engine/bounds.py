@@ -544,16 +544,17 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     nonzero magnitude among the rows summed into each element). Only the rows some index
     names are worked out: every other row has no terms, so it is zero and exact (e = 0) —
     at GPT-2's vocabulary, most of a result that is vocabulary × width."""
-    [bound] = _linear(_embedding_backward_count)(ctx, func, args, kwargs, ys)
     grad, indices = args[0], args[1]
+    magnitudes = grad.abs()
+    s = func(magnitudes, *args[1:], **kwargs)  # the op on |grad|: Σ|terms| of each element
+    bound = ctx.sum_bound(_embedding_backward_count(args, kwargs, ys[0]), s)
     scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
-    if scale or not isinstance(bound, Affine) or bound.m is None or not indices.numel() or \
+    if scale or not isinstance(bound, Affine) or not indices.numel() or \
             not _holds_target_values(ctx, grad):
         return [bound]
-    s = bound.m  # the op on |grad|: Σ|terms| of each element
     rows, position = torch.unique(indices.reshape(-1), return_inverse=True)
-    magnitudes = grad.abs().reshape(indices.numel(), -1)
-    terms = magnitudes.masked_fill(magnitudes == 0, math.inf)
+    terms = magnitudes.reshape(indices.numel(), -1)
+    terms = terms.masked_fill_(terms == 0, math.inf)  # (|grad| is read no more)
     smallest = torch.full((rows.numel(), terms.shape[1]), math.inf, dtype=terms.dtype,
                           device=terms.device)
     smallest.scatter_reduce_(0, position.reshape(-1, 1).expand_as(terms), terms, "amin")

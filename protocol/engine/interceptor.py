@@ -492,9 +492,12 @@ class RoundingMode(TorchDispatchMode):
         operands, with no widened copy of them) and rounded as a site like any other, its
         rule's bounds read from those operands; `(results,)`, or None where that does not
         serve (then the widened path computes the same bits). Under the float64 -> float32
-        policy only: in another the kernels' float64 is not the compute dtype."""
+        policy only (in another the kernels' float64 is not the compute dtype), and with the
+        native compute only: an emulated machine's (`splitk`) computes the statistics in its
+        own form."""
         policy = self.policy
-        if (policy.compute, policy.target) != (torch.float64, torch.float32):
+        if (policy.compute, policy.target) != (torch.float64, torch.float32) or \
+                self.compute is not native_compute:
             return None
         operands = tuple(self._round_scalar(a) if isinstance(a, float) else a for a in args)
         run = normops.narrow_statistics(func, operands)

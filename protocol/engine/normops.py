@@ -88,11 +88,12 @@ def rows_view(x: torch.Tensor, dims: list[int]) -> tuple[int, int, int] | None:
     it — a layer norm's rows over the trailing dimensions (1, rows, K), or a batch norm's
     channels over all other dimensions (samples, channels, positions); None where they do not
     serve: the library not loaded or not for `x`'s device (`fused.own_arithmetic`), `x` not a
-    nonempty contiguous float64 or float32 tensor of one or more dimensions (the statistics
-    take float64 only), or another reduction."""
+    nonempty contiguous float64 or float32 tensor of one or more dimensions (the ops take
+    float64 only, their rules' extremes and the interceptor's `narrow_statistics` float32
+    too), a dimension out of range, or another reduction."""
     nd = x.dim()
     if not (fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32)
-            and x.is_contiguous() and x.numel() and nd):
+            and x.is_contiguous() and x.numel() and nd and all(-nd <= d < nd for d in dims)):
         return None
     reduced = sorted({d % nd for d in dims})
     if not reduced or len(reduced) != len(dims):
@@ -114,11 +115,11 @@ def kept_shape(x: torch.Tensor, dims: list[int]) -> list[int]:
 def _backward_view(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, dims: list[int]
                    ) -> tuple[int, int, int] | None:
     """`rows_view` for norm_backward_stats: also `grad` of `x`'s shape and dtype and `mean`
-    one value per row, both contiguous; else None."""
+    one value per row (`x`'s shape with `dims` kept as ones), both contiguous; else None."""
     view = rows_view(x, dims)
     if view is None or grad.shape != x.shape or grad.dtype != x.dtype or \
             not grad.is_contiguous() or mean.dtype != x.dtype or not mean.is_contiguous() or \
-            mean.numel() != view[1]:
+            list(mean.shape) != kept_shape(x, dims):
         return None
     return view
 

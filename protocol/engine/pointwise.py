@@ -261,10 +261,10 @@ def fused_plan(elements: list[Elementwise], in_place: bool) -> list[FusedCall] |
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor | None:
-    """The contiguous tensor that `t` is an expansion of (`t.expand`: its dimensions of stride 0
-    one long there), or None where `t` is no such expansion (a dimension of stride 0 and length
-    above one, the others contiguous): the backward of a mean or a sum makes these, and an
-    op on a scalar is the same on each copy of an element."""
+    """The contiguous tensor that `t` is an expansion of, or None. An expansion (`t.expand`,
+    which the backward of a mean or a sum makes) has a dimension of stride 0 and length above
+    one, and is contiguous once its dimensions of stride 0 are made one long: its compact form.
+    An op on a scalar is the same on each copy of an element."""
     if not any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
         return None
     compact = t.as_strided([1 if s == 0 else n for n, s in zip(t.shape, t.stride(), strict=True)],

@@ -226,7 +226,12 @@ class RandomStream:
             if not 0.0 <= keep_prob <= 1.0:
                 raise ConfigError(f"keep_prob must be in [0, 1], got {keep_prob}")
             threshold = keep_prob * 2.0**32  # exact: a power-of-two scaling
-        mask = self.words(n).astype(np.float64) < threshold
+        words = self.words(n)
+        if isinstance(threshold, float):  # an integer word is below it iff below its ceiling
+            limit = math.ceil(threshold)
+            mask = words < np.uint32(limit) if limit < 2**32 else np.ones(n, dtype=bool)
+        else:
+            mask = words.astype(np.float64) < threshold
         return torch.from_numpy(mask.reshape(dims))
 
     def integers(self, shape: Shape, low: int, high: int) -> np.ndarray:

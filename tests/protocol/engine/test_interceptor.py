@@ -455,9 +455,22 @@ def test_a_convolution_of_an_empty_batch_is_rounded(transposed):
     assert "aten.convolution_backward.default" in spy.ops
 
 
+class _CountingSplitK(SplitK):
+    """SplitK that notes each op it computes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.funcs: list = []
+
+    def __call__(self, func, args: tuple, kwargs: dict):
+        self.funcs.append(func)
+        return super().__call__(func, args, kwargs)
+
+
 def test_batch_norm_training_replays_bit_exactly_under_splitk():
     """Forward and backward, under the emulated GPU (its own form of the statistics, its sums
-    split) and with the log recorded natively."""
+    split: the statistics reach it, not the native kernels' narrow path) and with the log
+    recorded natively."""
     x0 = rnd(8, 3, 5, 5, seed=20) * 2 + 1
     weight0, bias0 = rnd(3, seed=21), rnd(3, seed=22)
     g = rnd(8, 3, 5, 5, seed=27)
@@ -474,10 +487,12 @@ def test_batch_norm_training_replays_bit_exactly_under_splitk():
     spy = Spy()
     recorded = run(spy)
     replayer = SiteReplayer(POLICY, spy.log(), step=1)
-    replayed = run(replayer, SplitK(seed=5, chunks=4, order="pairwise"))
+    emulated = _CountingSplitK(seed=5, chunks=4, order="pairwise")
+    replayed = run(replayer, emulated)
     replayer.finish()
     for a, b in zip(recorded, replayed, strict=True):
         assert_same_bits(a, b)
+    assert normops.NORM_STATS in emulated.funcs and normops.NORM_BACKWARD_STATS in emulated.funcs
 
 
 def _overload(name: str) -> torch._ops.OpOverload:

@@ -168,7 +168,7 @@ def test_the_statistics_run_in_their_kernel_where_it_serves(case, monkeypatch):
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip([*alone[0], *alone[1]],
                                                  [*got, *got_backward], strict=True))
-    narrow = x.float()  # (float32: the rules' extremes take it, the statistics do not)
+    narrow = x.float()  # (float32: the ops take their torch form; the narrow path the kernels)
     assert (normops.rows_view(narrow, dims) is not None) == taken
     assert all(torch.equal(a, b) for a, b in zip(normops.norm_stats(narrow, dims, 1e-5),
                                                  torch_stats(narrow, dims, 1e-5), strict=True))
@@ -189,6 +189,42 @@ def test_the_statistics_run_in_their_kernel_where_it_serves(case, monkeypatch):
                                                  torch_stats(x, dims, 1e-5), strict=True))
 
 
+def same_bits64(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal float64 bit patterns, any NaN equal to any NaN."""
+    nan = torch.isnan(a) & torch.isnan(b)
+    return a.shape == b.shape and bool(((a.view(torch.int64) == b.view(torch.int64)) | nan).all())
+
+
+@needs_fused
+@pytest.mark.parametrize("shape, dims", [((6, 3, 40), [2]), ((5, 4, 6, 7), [0, 2, 3])])
+def test_the_narrow_statistics_are_the_widened_bits_on_hard_values(shape, dims):
+    """From float32 operands with zeros of both signs, subnormals, infinities and values near
+    float32's overflow (infinite and NaN statistics in places), the narrow path's
+    statistics and backward sums are those of the op on the widened operands, bit for bit."""
+    x, g = hard(shape, 5), hard(shape, 6)
+    kept = normops.kept_shape(x, dims)
+    mean = hard(tuple(kept), 7)
+    for func, operands in ((normops.NORM_STATS, (x, dims, 1e-5)),
+                           (normops.NORM_BACKWARD_STATS, (g, x, mean, dims))):
+        run = normops.narrow_statistics(func, operands)
+        assert run is not None, func
+        widened = [a.double() if isinstance(a, torch.Tensor) else a for a in operands]
+        got, want = run(), func(*widened)
+        assert all(same_bits64(a, b) for a, b in zip(got, want, strict=True)), func
+        assert not all(bool(torch.isfinite(t).all()) for t in got), func  # (specials reached)
+
+
+def test_the_kernels_decline_dimensions_out_of_range_and_misshapen_means():
+    """A dimension out of range is torch's error, not another reduction; a mean of one value per
+    row in another shape than the kept one is broadcast as torch broadcasts it."""
+    x = torch.arange(16, dtype=torch.float64).reshape(4, 4)
+    with pytest.raises(IndexError):
+        normops.norm_stats(x, [5], 0.0)
+    mean = torch.tensor([[0.0, 10.0, 20.0, 30.0]], dtype=torch.float64)  # (1, 4), dims [1]
+    sum_grad, sum_product = normops.norm_backward_stats(torch.ones_like(x), x, mean, [1])
+    assert torch.equal(sum_product, ((x - mean) * 1.0).sum(1, keepdim=True))
+
+
 def _record(step, fused_on: bool, monkeypatch) -> tuple[list[torch.Tensor], list]:
     monkeypatch.setattr(fused, "ENABLED", fused_on and fused.MISSING is None)
     rec = SiteRecorder(POLICY)
@@ -202,14 +238,15 @@ def test_a_recorded_step_is_the_same_with_and_without_the_fused_passes(monkeypat
     """Layer norm and batch norm, forward and backward, recorded twice: the same results and
     the same log. With the fused passes the statistics are computed straight from float32
     operands (`normops.narrow_statistics`): both layer norms' and batch norm's statistics and
-    batch norm's backward sums are (and the layer norms' rows cross the threads: (64, 129))."""
+    batch norm's backward sums are (and the second layer norm's rows are split between the
+    threads: 320 rows of 129)."""
     gen = torch.Generator().manual_seed(7)
     x_ln, x_bn = torch.randn(5, 3, 16, generator=gen) * 2 + 1, torch.randn(8, 4, 6, 6,
                                                                             generator=gen)
-    x_wide = torch.randn(64, 129, generator=gen) * 3 - 2
+    x_wide = torch.randn(320, 129, generator=gen) * 3 - 2
     w_ln, w_bn = torch.randn(16, generator=gen), torch.randn(4, generator=gen)
     g_ln, g_bn = torch.randn(5, 3, 16, generator=gen), torch.randn(8, 4, 6, 6, generator=gen)
-    g_wide = torch.randn(64, 129, generator=gen)
+    g_wide = torch.randn(320, 129, generator=gen)
 
     def step() -> list[torch.Tensor]:
         a, wa = x_ln.clone().requires_grad_(), w_ln.clone().requires_grad_()

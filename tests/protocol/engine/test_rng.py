@@ -145,6 +145,20 @@ def test_keep_mask_extremes():
     assert not stream.keep_mask(1000, 0.0).any()
 
 
+def test_keep_mask_of_one_probability_is_the_exact_comparison_at_the_edges():
+    """A single probability's mask compares words with an integer (the threshold's ceiling):
+    the exact float64 comparison's mask, at thresholds that are integers, just above and below
+    one, and at 0 and 1; the words hit include the ones next to the threshold."""
+    words = RandomStream(8, "edge").words(4096)
+    edge = int(np.sort(words)[2048])
+    for threshold in (0.0, 1.0, edge, edge + 0.5, edge - 2.0**-20, edge + 1, 2.0**32 - 1,
+                      2.0**32 - 0.5, 2.0**32):
+        p = threshold / 2**32
+        assert p * 2**32 == threshold  # (exact)
+        want = words.astype(np.float64) < threshold
+        assert np.array_equal(RandomStream(8, "edge").keep_mask(4096, p).numpy(), want), p
+
+
 def test_keep_mask_per_element_probabilities():
     stream = RandomStream(2, "mask")
     probs = np.array([0.0, 0.25, 1.0])  # broadcast over the rows
