@@ -321,7 +321,9 @@ class SiteReplayer(_RoundingPaths):
                               ) -> tuple[torch.Tensor, bool]:
         """`round_site(op, [y], [bound])`, and whether `y` — which the caller owns — now holds
         its rounding widened (`SiteRecorder.round_result_in_place`): where the site has no
-        entries (most) and the fused pass serves a contiguous `y`."""
+        entries (most) and the fused pass serves a contiguous `y`, and where it has entries and
+        `y` is contiguous (written once they are applied: the consumers of a large result with
+        entries then widen nothing, as after record's band pass)."""
         site = self._next_site(op, y.numel())
         if not (site.indices.size or site.value_indices.size):
             r, widened = nearest(y.reshape(-1), self.policy, widen_back=y.is_contiguous())
@@ -329,7 +331,10 @@ class SiteReplayer(_RoundingPaths):
         r, bad_value = self._replay_part(op, site, 0, y, bound, check_values=True)
         if bad_value is not None:
             raise bad_value
-        return _shaped(r, y), False
+        if not y.is_contiguous():
+            return _shaped(r, y), False
+        y.view(-1).copy_(r)
+        return _shaped(r, y), True
 
     def round_site_in_parts(self, op: str, numel: int,
                             results: Iterable[Iterable[Part]]) -> None:

@@ -200,6 +200,27 @@ def test_a_result_rounded_in_place_is_read_back_as_its_rounding(rounder):
     assert torch.equal(bits(again), bits(out))
 
 
+def test_a_replayed_result_with_entries_is_written_back_as_its_rounding():
+    """A result whose site has log entries (every element a float32 midpoint, 1 + 2**-24) is
+    replayed with its entries applied, and its compute-dtype memory then holds that rounding
+    widened and is noted for the ops that read it next, as after record's band pass."""
+    x, w = torch.tensor([[1.0, 2.0**-24]] * 4), torch.ones(2, 3)
+    rec = SiteRecorder(POLICY)
+    with RoundingMode(POLICY, rec):
+        out = torch.mm(x, w)
+    assert rec.sites[0].indices.size == 12
+    rep = SiteReplayer(POLICY, rec.log())
+    mode = RoundingMode(POLICY, rep)
+    noted: list[tuple[torch.Tensor, torch.Tensor]] = []
+    note = mode._widened.note
+    mode._widened.note = lambda r, wide: noted.append((r, wide)) or note(r, wide)
+    with mode:
+        again = torch.mm(x, w)
+    rep.finish()
+    assert torch.equal(bits(again), bits(out))
+    assert len(noted) == 1 and noted[0][0] is again and torch.equal(noted[0][1], out.double())
+
+
 def run_both(fn):
     """`fn()` under record with results rounded in place and spans kept, and with neither:
     (outputs, sites) of each."""
