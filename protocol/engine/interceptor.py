@@ -341,13 +341,6 @@ class RoundingMode(TorchDispatchMode):
         self._widened = WidenCache(policy.compute)
         self._bounds = BoundContext(policy)
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """No: torch would wrap `__torch_dispatch__` in a dynamo-disabling frame hook (for
-        modes a compiled program runs), a cost at every op; a step is never compiled
-        (issue 13)."""
-        return False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         plan = _plan_of(func)

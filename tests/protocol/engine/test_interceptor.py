@@ -10,6 +10,7 @@ to its result. Expected values are computed outside the mode in float64, rounded
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -850,3 +851,30 @@ def test_the_first_square_root_after_the_warm_up_is_accurate():
                                capture_output=True, text=True, timeout=120).stdout.strip()
                 for seed in range(24)]
     assert outcomes == ["1"] * 24
+
+
+def test_a_compiled_function_in_a_step_does_not_trace_the_interceptor():
+    """A program may `torch.compile` a function it calls inside a step: dynamo must not trace
+    `RoundingMode`'s own Python (torch wraps a mode's `__torch_dispatch__` in a frame that
+    disables dynamo, which the mode keeps, though it costs about 1.7 µs an op: traced, the
+    recorder's state and its caches would be a compiled graph's). The compiled function records
+    the eager function's sites and values, and dynamo warns of nothing it traced."""
+    def step(x, w):
+        return torch.tanh(x @ w).sum()
+
+    x, w = rnd(4, 4, seed=40), rnd(4, 4, seed=41)
+    compiled = torch.compile(step, backend="eager")
+    eager, traced = Spy(), Spy()
+    try:
+        with RoundingMode(POLICY, eager):
+            want = step(x, w)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with RoundingMode(POLICY, traced):
+                got = compiled(x, w)
+    finally:
+        torch._dynamo.reset()
+    assert_same_bits(got, want)
+    assert [s.numel for s in traced.sites] == [s.numel for s in eager.sites]
+    assert not [w for w in caught if "Dynamo" in str(w.message)], \
+        [str(w.message)[:120] for w in caught]
