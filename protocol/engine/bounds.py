@@ -548,9 +548,9 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     magnitudes = grad.abs()
     s = func(magnitudes, *args[1:], **kwargs)  # the op on |grad|: Σ|terms| of each element
     bound = ctx.sum_bound(_embedding_backward_count(args, kwargs, ys[0]), s)
+    assert isinstance(bound, Affine)  # (`s` is a tensor)
     scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
-    if scale or not isinstance(bound, Affine) or not indices.numel() or \
-            not _holds_target_values(ctx, grad):
+    if scale or not indices.numel() or not _holds_target_values(ctx, grad):
         return [bound]
     rows, position = torch.unique(indices.reshape(-1), return_inverse=True)
     terms = magnitudes.reshape(indices.numel(), -1)

@@ -9,9 +9,8 @@ rule's bounds of a sum (`bounds._sum`); and `pointwise`, an elementwise op with 
 from float32 inputs to float32 results (`pointwise`). Eight more compute bound rules' own sums
 and extremes and the normalisation statistics, in their own order, not a torch sequence's bits
 (`own_arithmetic`). Where the extension is missing (no compiler when ovt was installed) ovt says
-so once, loudly, and uses the torch ops. The
-environment variable `OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py`
-does both).
+so once, loudly, and uses the torch ops. The environment variable `OVT_FUSED=0` asks for the
+torch ops (comparisons, `bench/bench_step.py` does both).
 """
 
 from __future__ import annotations

@@ -1183,6 +1183,21 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
   return out;
 }
 
+// Σ |x_j| for j < n in float64, in interleaved lanes (`channel_run`).
+template <typename T>
+OVT_CLONES double magnitude_sum(const T* __restrict__ x, int64_t n) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes a0 = zero, a1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    a0 += abs_lanes(load_lanes(x + j));
+    a1 += abs_lanes(load_lanes(x + j + kWidth));
+  }
+  double total = sum_lanes(a0) + sum_lanes(a1);
+  for (; j < n; ++j) total += std::fabs(static_cast<double>(x[j]));
+  return total;
+}
+
 // The normalisation statistics (normops.py `norm_stats`, `norm_backward_stats`; SPEC §3.2.1):
 // their own summation order, not torch's (the ops' rules hold for any order of their sums), on
 // x viewed as (A, B, C), each of the B rows reduced over A and C — a layer norm's rows (A = 1)
@@ -1345,7 +1360,7 @@ std::tuple<at::Tensor, at::Tensor> row_backward_sums(const at::Tensor& g, const 
 }
 
 // One (a, b) run of n elements for `row_extremes`: into out its max x, min x, whether a NaN is
-// among them (1 or 0) and, where g is given, Σ |g| in interleaved lanes (`channel_run`). The
+// among them (1 or 0) and, where g is given, Σ |g| (`magnitude_sum`). The
 // extremes are compared in x's own type (exact), a full vector of it at a time, in two chains.
 template <typename T>
 OVT_CLONES void extremes_run(const T* __restrict__ x, const T* __restrict__ g, int64_t n,
@@ -1386,18 +1401,7 @@ OVT_CLONES void extremes_run(const T* __restrict__ x, const T* __restrict__ g, i
   out[0] = top;
   out[1] = bottom;
   out[2] = any_nan ? 1.0 : 0.0;
-  out[3] = 0.0;
-  if (g == nullptr) return;
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes a0 = zero, a1 = zero;
-  j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    a0 += abs_lanes(load_lanes(g + j));
-    a1 += abs_lanes(load_lanes(g + j + kWidth));
-  }
-  double total = sum_lanes(a0) + sum_lanes(a1);
-  for (; j < n; ++j) total += std::fabs(static_cast<double>(g[j]));
-  out[3] = total;
+  out[3] = g == nullptr ? 0.0 : magnitude_sum(g, n);
 }
 
 template <typename T>
@@ -1435,14 +1439,9 @@ void row_extremes_run(const T* xp, const T* gp, double* top, double* bottom, dou
 std::tuple<at::Tensor, at::Tensor, at::Tensor> row_extremes(const at::Tensor& x,
                                                             const c10::optional<at::Tensor>& g,
                                                             int64_t a, int64_t b, int64_t c) {
-  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.is_contiguous() &&
-                  x.device().is_cpu(),
-              "row_extremes: x must be a contiguous float64 or float32 CPU tensor");
-  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && a * b * c == x.numel() && a * c > 0,
-              "row_extremes: the view (A, B, C) does not hold x's elements, or its rows are empty");
-  TORCH_CHECK(!g.has_value() || (g->dtype() == x.dtype() && g->is_contiguous() &&
-                                 g->device().is_cpu() && g->sizes() == x.sizes()),
-              "row_extremes: g must be a contiguous CPU tensor of x's shape and dtype");
+  check_stats_view(x, x.scalar_type(), a, b, c, "row_extremes");
+  if (g.has_value()) check_stats_view(*g, x.scalar_type(), a, b, c, "row_extremes");
+  TORCH_CHECK(a * c > 0, "row_extremes: empty rows have no extremes");
   const auto options = x.options().dtype(at::kDouble);
   at::Tensor top = at::empty({b}, options), bottom = at::empty({b}, options);
   at::Tensor magnitudes = at::empty({g.has_value() ? b : 0}, options);
@@ -1455,20 +1454,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> row_extremes(const at::Tensor& x,
                      top.data_ptr<double>(), bottom.data_ptr<double>(), mp, a, b, c);
   }
   return {top, bottom, magnitudes};
-}
-
-// Σ |x_j| for j < n, in interleaved lanes (`channel_run`).
-OVT_CLONES double magnitude_sum(const double* __restrict__ x, int64_t n) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes a0 = zero, a1 = zero;
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    a0 += abs_lanes(load_lanes(x + j));
-    a1 += abs_lanes(load_lanes(x + j + kWidth));
-  }
-  double total = sum_lanes(a0) + sum_lanes(a1);
-  for (; j < n; ++j) total += std::fabs(x[j]);
-  return total;
 }
 
 constexpr double kLog2e = 1.4426950408889634;  // log2(e), rounded: within u of it

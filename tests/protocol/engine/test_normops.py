@@ -41,9 +41,13 @@ def hard(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns, except that any NaN equals any NaN (IEEE leaves payloads open)."""
+    """Equal bit patterns (float32 or float64), except that any NaN equals any NaN (IEEE
+    leaves payloads open)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int64
     nan = torch.isnan(a) & torch.isnan(b)
-    return a.shape == b.shape and bool(((a.view(torch.int32) == b.view(torch.int32)) | nan).all())
+    return bool(((a.view(bits) == b.view(bits)) | nan).all())
 
 
 def torch_path(func, args) -> torch.Tensor:
@@ -189,12 +193,6 @@ def test_the_statistics_run_in_their_kernel_where_it_serves(case, monkeypatch):
                                                  torch_stats(x, dims, 1e-5), strict=True))
 
 
-def same_bits64(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal float64 bit patterns, any NaN equal to any NaN."""
-    nan = torch.isnan(a) & torch.isnan(b)
-    return a.shape == b.shape and bool(((a.view(torch.int64) == b.view(torch.int64)) | nan).all())
-
-
 @needs_fused
 @pytest.mark.parametrize("shape, dims", [((6, 3, 40), [2]), ((5, 4, 6, 7), [0, 2, 3])])
 def test_the_narrow_statistics_are_the_widened_bits_on_hard_values(shape, dims):
@@ -210,7 +208,7 @@ def test_the_narrow_statistics_are_the_widened_bits_on_hard_values(shape, dims):
         assert run is not None, func
         widened = [a.double() if isinstance(a, torch.Tensor) else a for a in operands]
         got, want = run(), func(*widened)
-        assert all(same_bits64(a, b) for a, b in zip(got, want, strict=True)), func
+        assert all(same_bits(a, b) for a, b in zip(got, want, strict=True)), func
         assert not all(bool(torch.isfinite(t).all()) for t in got), func  # (specials reached)
 
 
