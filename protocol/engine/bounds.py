@@ -160,11 +160,15 @@ class BoundContext:
             raise ValueError(f"a reduction of {k} terms is beyond the compute dtype's bound")
         return ku / (1.0 - ku)
 
+    def sum_factors(self, k: int) -> tuple[float, float]:
+        """(scale, floor) of a K-term sum's bound e = Σ|terms|·scale + floor."""
+        return SAFETY * self.gamma(k), SAFETY * k * self.tiny
+
     def sum_bound(self, k: int, s: torch.Tensor | float, col: torch.Tensor | None = None,
                   add: torch.Tensor | None = None) -> Affine | float:
         """e for a K-term sum whose Σ|terms| is at most `s` (or `s[..., i]·col[..., j] + add`,
         see `Affine`)."""
-        scale, floor = SAFETY * self.gamma(k), SAFETY * k * self.tiny
+        scale, floor = self.sum_factors(k)
         if isinstance(s, torch.Tensor):
             return Affine(scale, floor, s, col, add)
         return scale * s + floor
@@ -471,26 +475,28 @@ def _sum_count(args, kwargs, y) -> int:
 
 def _sum(ctx, func, args, kwargs, ys) -> list[Bound]:
     """A plain sum: the reduction rule, except where every order is exact (`_exact_where`).
-    One fused pass (`fused`: `torch.ops.ovt.sum_bound`, the same operations) where `x` is a
-    contiguous float64 tensor, the targets float32 and the sum one over a run of dimensions
-    or over all but a run (`_sum_layout`), else torch ops."""
+    One C++ pass (`torch.ops.ovt.sum_bound`: Σ|x| in its own fixed order, and the same
+    decision) where the library is loaded (`fused.own_arithmetic`), `x` and the result are
+    float64, `x` contiguous, the targets float32 and the sum one over a run of dimensions or
+    over all but a run (`_sum_layout`); else torch ops."""
     x = args[0]
     k = _sum_count(args, kwargs, ys[0])
+    dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
+    # no dims, or an empty list, reduces them all (aten.sum and prims.sum alike)
+    reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
+    if x.numel() and x.dtype == ys[0].dtype == torch.float64 and x.is_contiguous() and \
+            ctx.policy.target == torch.float32 and fused.own_arithmetic(x):
+        layout = _sum_layout(x.shape, tuple(reduced))
+        if layout is not None:
+            scale, floor = ctx.sum_factors(k)
+            e = torch.ops.ovt.sum_bound(x, *layout, scale, floor, _slack(ctx, k),
+                                        _exact_limit(ctx))
+            return [Affine(1.0, 0.0, e.reshape(ys[0].shape))]
     s = func(_abs(x), *args[1:], **{key: _abs_keyword(v) for key, v in kwargs.items()})
     bound = ctx.sum_bound(k, s)
     if not isinstance(bound, Affine) or not x.numel():
         return [bound]
-    dims = _arg(args, kwargs, 1, "dims" if func is prims.sum.default else "dim", None)
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False)) and func is not prims.sum.default
-    # no dims, or an empty list, reduces them all (aten.sum and prims.sum alike)
-    reduced = list(range(x.dim())) if not dims or not x.dim() else _reduced(dims, x.dim())
-    layout = _sum_layout(x.shape, tuple(reduced))
-    if layout is not None and fused.serves(x) and x.dtype == s.dtype == torch.float64 \
-            and x.is_contiguous() and ctx.policy.target == torch.float32:
-        e, representable = torch.ops.ovt.sum_bound(x, s.contiguous(), *layout, bound.scale,
-                                                   bound.floor, _slack(ctx, k),
-                                                   _exact_limit(ctx))
-        return [Affine(1.0, 0.0, e.reshape(s.shape)) if representable else bound]
     smallest = _smallest_terms(ctx, x, reduced, keepdim)
     if smallest is None:
         return [bound]
@@ -543,13 +549,25 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     index is w — a reduction, exact where every order is (`_exact_where`, over the smallest
     nonzero magnitude among the rows summed into each element). Only the rows some index
     names are worked out: every other row has no terms, so it is zero and exact (e = 0) —
-    at GPT-2's vocabulary, most of a result that is vocabulary × width."""
-    grad, indices = args[0], args[1]
+    at GPT-2's vocabulary, most of a result that is vocabulary × width. One C++ pass
+    (`torch.ops.ovt.embedding_backward_bound`: Σ|g| in position order, the padding row's
+    positions skipped, as the op skips them) where the library is loaded
+    (`fused.own_arithmetic`) and the gradient is not scaled by frequency; else torch ops."""
+    grad, indices, y = args[0], args[1], ys[0]
+    k = _embedding_backward_count(args, kwargs, y)
+    scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
+    if not scale and indices.numel() and y.numel() and ctx.policy.target == torch.float32 and \
+            grad.dtype == y.dtype == torch.float64 and fused.own_arithmetic(grad):
+        factor, floor = ctx.sum_factors(k)
+        e = torch.ops.ovt.embedding_backward_bound(
+            grad.reshape(-1, y.shape[-1]).contiguous(), indices.reshape(-1).to(torch.int64),
+            y.shape[0], _arg(args, kwargs, 3, "padding_idx", -1), factor, floor, _slack(ctx, k),
+            _exact_limit(ctx))
+        return [Affine(1.0, 0.0, e)]
     magnitudes = grad.abs()
     s = func(magnitudes, *args[1:], **kwargs)  # the op on |grad|: Σ|terms| of each element
-    bound = ctx.sum_bound(_embedding_backward_count(args, kwargs, ys[0]), s)
+    bound = ctx.sum_bound(k, s)
     assert isinstance(bound, Affine)  # (`s` is a tensor)
-    scale = _arg(args, kwargs, 4, "scale_grad_by_freq", False)
     if scale or not indices.numel() or not _holds_target_values(ctx, grad):
         return [bound]
     rows, position = torch.unique(indices.reshape(-1), return_inverse=True)
@@ -559,8 +577,7 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
                           device=terms.device)
     smallest.scatter_reduce_(0, position.reshape(-1, 1).expand_as(terms), terms, "amin")
     named = s[rows]
-    exact = _exact_where(ctx, _embedding_backward_count(args, kwargs, ys[0]), named,
-                         smallest, Affine(bound.scale, bound.floor, named))
+    exact = _exact_where(ctx, k, named, smallest, Affine(bound.scale, bound.floor, named))
     assert exact.m is not None
     e = s  # (0 at every row no index names: no terms; written over, no other reads it)
     e[rows] = exact.m

@@ -373,11 +373,9 @@ class RoundingMode(TorchDispatchMode):
             if done is not None:
                 return done[0]
         if plan.elementwise:
-            elements = pointwise.operands(func, args, kwargs)
-            if elements:  # (an empty foreach list is no site on any path)
-                done = self._fused_pointwise(plan, args, elements)
-                if done is not None:
-                    return done[0]
+            done = self._fused_pointwise(plan, args, kwargs)
+            if done is not None:
+                return done[0]
         fixed = plan.fixed
         rule = FIXED_FORMULA if fixed else \
             rule_of(func, args, kwargs, self.policy.unit_roundoff)
@@ -440,19 +438,33 @@ class RoundingMode(TorchDispatchMode):
                     leaf.add_(0.0)
         return rounded
 
-    def _fused_pointwise(self, plan: _OpPlan, args, elements: list[pointwise.Elementwise]
-                         ) -> tuple[Any] | None:
+    def _fused_pointwise(self, plan: _OpPlan, args, kwargs) -> tuple[Any] | None:
         """Compute an op with `e = 0` straight from its target-dtype inputs in one fused pass
         (`pointwise`), as a site of its own with nothing in its band; `(result,)`, or None where
-        the fused pass does not serve it (then the widened path computes the same bits). The
-        rounder claims the site first (`claim_exact_site`); one that must see every site's wide
-        values, or a replayer whose log has entries here (a violation it reports with the
-        values), declines."""
+        the fused pass does not serve it (then the widened path computes the same bits). A
+        foreach op is one list call where it can be (`pointwise.foreach_call`), else a call per
+        element. The rounder claims the site first (`claim_exact_site`); one that must see
+        every site's wide values, or a replayer whose log has entries here (a violation it
+        reports with the values), declines."""
         policy = self.policy
         claim = getattr(self.rounder, "claim_exact_site", None)
         foreach, in_place = plan.foreach, plan.in_place
         if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32) \
                 or plan.func._overloadname.endswith("out"):  # (an out= form writes its `out`)
+            return None
+        listed = pointwise.foreach_call(plan.func, args, kwargs, self._round_scalar) \
+            if foreach else None
+        total = pointwise.list_serves(listed, in_place) if listed is not None else None
+        if listed is not None and total is not None:
+            if not claim(plan.name, total):
+                return None
+            results = pointwise.run_list(listed, in_place)
+            if in_place:
+                self._widened.forget(listed.a)
+                return (None,)
+            return (results,)
+        elements = pointwise.operands(plan.func, args, kwargs)
+        if not elements:  # (an empty foreach list is no site on any path)
             return None
         calls = pointwise.fused_plan(elements, in_place)
         if calls is None or pointwise.small_quotients(calls, self._round_scalar) or \

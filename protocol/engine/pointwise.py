@@ -145,6 +145,67 @@ def operands(func: torch._ops.OpOverload, args: tuple, kwargs: dict
     return per_element
 
 
+@dataclass(frozen=True)
+class ForeachCall:
+    """A foreach op as one `torch.ops.ovt.pointwise_list` call: `code` on each list element i,
+    with tensors `a[i]`, `b[i]`, `c[i]` (`b`, `c` empty where the code has no such operand) and
+    the number `v[i]`, rounded as `_scalar` rounds it."""
+
+    code: int
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    c: list[torch.Tensor]
+    v: list[float]
+
+
+def foreach_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, round_scalar
+                 ) -> ForeachCall | None:
+    """A foreach op of this module as one list call (`ForeachCall`): what `operands` makes of it
+    element by element, without a Python step per element. None where it is not one: not a
+    foreach op this module takes, keyword arguments, scalars held in a tensor (the `.Tensor`
+    forms), an empty list, or a number that `_element` refuses; then `operands` takes it.
+    Whether the lists' tensors qualify is `list_serves`'s to say."""
+    name, foreach, _ = family(func)
+    if not foreach or kwargs or not takes(func) or func._overloadname == "Tensor" or \
+            not args[0]:
+        return None
+    first = _element(name, tuple(a[0] if isinstance(a, (list, tuple)) else a for a in args), {})
+    if first is None:
+        return None
+    count = len(args[0])
+    numbers = args[-1] if func._overloadname == "ScalarList" else None
+    if numbers is None:
+        v = [_scalar(first, round_scalar)] * count
+    else:
+        if len(numbers) != count or not all(_number(x) for x in numbers) or (
+                first.code == DIV_SCALAR and not all(
+                    isinstance(x, float) or holds_integer(torch.float32, x) for x in numbers)):
+            return None
+        v = [round_scalar(x) if isinstance(x, float) else float(x) for x in numbers]
+    return ForeachCall(first.code, list(args[0]), list(args[1]) if first.b is not None else [],
+                       list(args[2]) if first.c is not None else [], v)
+
+
+def list_serves(call: ForeachCall, in_place: bool) -> int | None:
+    """The elements of `call` where `torch.ops.ovt.pointwise_list` serves it, else None: the
+    fused passes built and enabled, and every tensor a contiguous float32 CPU tensor, not empty,
+    of its element's result's shape; in place, with memory as `fused_plan` requires it; and no
+    quotient that keeps a band (`small_quotients`)."""
+    if not fused.serves(call.a[0]):
+        return None
+    total = torch.ops.ovt.pointwise_list_serves(call.code, call.a, call.b, call.c, call.v,
+                                                in_place)
+    return None if total < 0 else total
+
+
+def run_list(call: ForeachCall, in_place: bool) -> list[torch.Tensor]:
+    """Make the call (`list_serves` said it serves): into each `a[i]` in place, else into new
+    tensors."""
+    out = call.a if in_place else [torch.empty_like(t) for t in call.a]
+    torch.ops.ovt.pointwise_list(call.code, call.a, call.b, call.c, call.v, out)
+    return out
+
+
 def _number(value) -> TypeGuard[float | int]:
     """A real Python number, not a bool (which ATen refuses in places: `x - True`)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)

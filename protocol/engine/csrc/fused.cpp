@@ -13,15 +13,15 @@
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
 //   `_apply_directions` and `_apply_values` do it with torch ops;
-// - sum_bound, the exact-sum rule (bounds.py `_sum`): a sum's bounds, 0 where it is exact;
 // - pointwise, an elementwise op whose float64 result is fixed by IEEE-754 (a correctly rounded
 //   operation, or a fixed formula of them: protocol/engine/pointwise.py), computed straight
 //   from float32 inputs and rounded to float32 in one pass, as the torch ops on widened inputs
-//   compute it;
+//   compute it; pointwise_list, its foreach form;
 // - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
-// - norms, channel_sums, window_norms, layer_norm_backward_bound and
-//   log_softmax_backward_bound, bound rules' own arithmetic (no torch twin: see there);
+// - sum_bound, embedding_backward_bound, norms, channel_sums, window_norms,
+//   layer_norm_backward_bound and log_softmax_backward_bound, bound rules' own arithmetic (no
+//   torch twin: see there);
 // - row_stats and row_backward_sums, the normalisation statistics in their own summation order
 //   (normops.py; no torch twin either), and row_extremes, their rules' terms;
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
@@ -244,13 +244,20 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   }
 }
 
-// Columns [i0, i1) of one (reduced, inner) block of `smallest_of`: writes each column's smallest
-// nonzero magnitude (as bits) to m and returns whether every element read is a float32 value.
+// Columns [i0, i1) of one (reduced, inner) block of `sum_terms`: each column's smallest nonzero
+// magnitude (as bits) into m and its Σ|x| into sums (in row order), starting afresh where
+// `reset`, else from what m and sums hold (`embedding_backward_bound`); returns whether every
+// element read is a float32 value.
 OVT_CLONES
-int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inner, int64_t i0,
-                       int64_t i1) {
+int64_t column_terms(const double* x, int64_t* m, double* sums, int64_t reduced, int64_t inner,
+                     int64_t i0, int64_t i1, bool reset) {
   int64_t ok = 1;
-  for (int64_t i = i0; i < i1; ++i) m[i] = kInfBits;
+  if (reset) {
+    for (int64_t i = i0; i < i1; ++i) {
+      m[i] = kInfBits;
+      sums[i] = 0.0;
+    }
+  }
   for (int64_t r = 0; r < reduced; ++r) {
     const double* row = x + r * inner;
     for (int64_t i = i0; i < i1; ++i) {
@@ -258,28 +265,9 @@ int64_t smallest_terms(const double* x, int64_t* m, int64_t reduced, int64_t inn
       const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
       const int64_t key = magnitude == 0 ? kInfBits : magnitude;
       m[i] = key < m[i] ? key : m[i];
+      sums[i] += __builtin_bit_cast(double, magnitude);
       ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
     }
-  }
-  return ok;
-}
-
-// Rows [o0, o1) of `smallest_of` with inner = 1: each row's smallest nonzero magnitude (as bits)
-// into m, and whether every element read is a float32 value.
-OVT_CLONES
-int64_t smallest_in_rows(const double* x, int64_t* m, int64_t reduced, int64_t o0, int64_t o1) {
-  int64_t ok = 1;
-  for (int64_t o = o0; o < o1; ++o) {
-    const double* row = x + o * reduced;
-    int64_t best = kInfBits;
-    for (int64_t r = 0; r < reduced; ++r) {
-      const double v = row[r];
-      const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
-      const int64_t key = magnitude == 0 ? kInfBits : magnitude;
-      best = key < best ? key : best;
-      ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
-    }
-    m[o] = best;
   }
   return ok;
 }
@@ -445,6 +433,86 @@ bool small_quotients(const at::Tensor& a, const c10::optional<at::Tensor>& b, do
     found += count_small_quotients(ap, bp, v, begin, end);
   });
   return found.load() != 0;
+}
+
+// The foreach form of `pointwise` (pointwise.py `ForeachCall`): list element i is
+// pointwise(op, a[i], b[i], c[i], v[i]) into out[i], each operand of a[i]'s shape (no
+// broadcast); b and c empty where the op has no such operand.
+bool has_b(int64_t op) {
+  return op != kMulScalar && op != kAddScalar && op != kSubScalar && op != kSqrt &&
+         op != kDivScalar;
+}
+
+bool has_c(int64_t op) { return op == kAddcmul || op == kAddcdiv; }
+
+void check_lists(const char* name, int64_t op, at::TensorList a, at::TensorList b,
+                 at::TensorList c, at::ArrayRef<double> v) {
+  TORCH_CHECK(op >= kMulScalar && op <= kDiv, name, ": unknown op ", op);
+  TORCH_CHECK(b.size() == (has_b(op) ? a.size() : 0) && c.size() == (has_c(op) ? a.size() : 0) &&
+                  v.size() == a.size(),
+              name, ": ", a.size(), " elements, but ", b.size(), " b, ", c.size(), " c and ",
+              v.size(), " numbers for op ", op);
+}
+
+// Whether t is an operand the list form takes for an element whose a is `a`.
+bool list_operand(const at::Tensor& t, const at::Tensor& a) {
+  return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
+         t.sizes() == a.sizes();
+}
+
+// Whether `pointwise_list` serves these lists, asked before anything is claimed or written:
+// every tensor a contiguous float32 CPU tensor, not empty, of its a[i]'s shape; in place, each
+// a[i]'s memory its own and an operand in written memory only its element's a[i] itself, so
+// that every element is read before it is written, as on the widened path, which reads copies
+// (pointwise.py `fused_plan`); and no quotient below 2^-125 (`small_quotients`). Returns the
+// elements' total, or -1 where it does not serve.
+int64_t pointwise_list_serves(int64_t op, at::TensorList a, at::TensorList b, at::TensorList c,
+                              at::ArrayRef<double> v, bool in_place) {
+  check_lists("pointwise_list_serves", op, a, b, c, v);
+  int64_t total = 0;
+  std::vector<const void*> written;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].numel() == 0 || !list_operand(a[i], a[i]) ||
+        (has_b(op) && !list_operand(b[i], a[i])) || (has_c(op) && !list_operand(c[i], a[i]))) {
+      return -1;
+    }
+    total += a[i].numel();
+    if (in_place) written.push_back(a[i].storage().data());
+  }
+  if (in_place) {
+    std::sort(written.begin(), written.end());
+    if (std::adjacent_find(written.begin(), written.end()) != written.end()) return -1;
+    for (size_t i = 0; i < a.size(); ++i) {
+      for (const at::TensorList& list : {b, c}) {
+        if (list.empty()) continue;
+        const at::Tensor& t = list[i];
+        const void* memory = t.storage().data();
+        const bool itself = memory == a[i].storage().data() && t.data_ptr() == a[i].data_ptr();
+        if (!itself && std::binary_search(written.begin(), written.end(), memory)) return -1;
+      }
+    }
+  }
+  if (op == kDiv || op == kDivScalar) {
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (small_quotients(a[i], has_b(op) ? c10::optional<at::Tensor>(b[i]) : c10::nullopt,
+                          v[i])) {
+        return -1;
+      }
+    }
+  }
+  return total;
+}
+
+void pointwise_list(int64_t op, at::TensorList a, at::TensorList b, at::TensorList c,
+                    at::ArrayRef<double> v, at::TensorList out) {
+  check_lists("pointwise_list", op, a, b, c, v);
+  TORCH_CHECK(out.size() == a.size(), "pointwise_list: ", a.size(), " elements, but ",
+              out.size(), " results");
+  for (size_t i = 0; i < a.size(); ++i) {
+    pointwise(op, a[i], has_b(op) ? c10::optional<at::Tensor>(b[i]) : c10::nullopt,
+              has_c(op) ? c10::optional<at::Tensor>(c[i]) : c10::nullopt, v[i], out[i], 1,
+              a[i].numel());
+  }
 }
 
 // The normalize formulas of normops.py (`normalize`, `normalize_backward`), computed straight
@@ -816,86 +884,8 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
   return true;
 }
 
-// Each (outer, inner) column's smallest nonzero |x| over `reduced`, as bits, into m (+inf where
-// all are zero), for x viewed as (outer, reduced, inner); and whether every element of x is a
-// float32 value. A minimum and a conjunction, so order-free. Magnitudes are compared as their
-// bit patterns, which order like the values.
-bool smallest_of(const double* xp, int64_t* sp, int64_t outer, int64_t reduced, int64_t inner) {
-  if (inner == 1) {  // a reduction along contiguous rows
-    const int64_t rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced, 1));
-    const int64_t chunks = (outer + rows - 1) / rows;
-    std::vector<int64_t> exact(static_cast<size_t>(chunks), 1);
-    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t c = first; c < last; ++c) {
-        exact[static_cast<size_t>(c)] =
-            smallest_in_rows(xp, sp, reduced, c * rows, std::min(outer, (c + 1) * rows));
-      }
-    });
-    return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
-  }
-  // at least a few cache lines of adjacent columns per work item, even for a long reduction
-  const int64_t width = std::min<int64_t>(
-      inner, std::max<int64_t>(16, kGrain / std::max<int64_t>(reduced, 1)));
-  const int64_t blocks = inner == 0 ? 0 : (inner + width - 1) / width;
-  std::vector<int64_t> exact(static_cast<size_t>(outer * blocks), 1);
-  at::parallel_for(0, outer * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t o = item / blocks, i0 = (item % blocks) * width;
-      const int64_t i1 = std::min(inner, i0 + width);
-      exact[static_cast<size_t>(item)] = smallest_terms(xp + o * reduced * inner, sp + o * inner,
-                                                        reduced, inner, i0, i1);
-    }
-  });
-  return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
-}
-
-// The exact-sum rule (bounds.py `_sum` and `_exact_where`, the same operations): x viewed as
-// (a, b, c), summed over b (keep_middle false: one sum per (a, c)) or over a and c (true: one
-// per b), s the sums' magnitudes (computed by the caller). Each sum's bound is
-// e = s·scale + floor, but 0 where every order of the sum is exact — all terms zero, or
-// s·slack < limit·m, m the float32 ULP of its smallest nonzero |term|. The flag is false (and e
-// unset) where x holds other than float32 values: the rule does not apply.
-std::tuple<at::Tensor, bool> sum_bound(const at::Tensor& x, const at::Tensor& s, int64_t a,
-                                       int64_t b, int64_t c, bool keep_middle, double scale,
-                                       double floor, double slack, double limit) {
-  TORCH_CHECK(x.dtype() == at::kDouble && x.is_contiguous() && x.device().is_cpu(),
-              "sum_bound: x must be a contiguous float64 CPU tensor");
-  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && x.numel() == a * b * c,
-              "sum_bound: x does not have ", a, " x ", b, " x ", c, " elements");
-  const int64_t sums = keep_middle ? b : a * c;
-  TORCH_CHECK(s.dtype() == at::kDouble && s.is_contiguous() && s.device().is_cpu() &&
-                  s.numel() == sums,
-              "sum_bound: s must be a contiguous float64 CPU tensor of ", sums, " elements");
-  at::Tensor e = at::empty({sums}, x.options());
-  std::vector<int64_t> smallest(static_cast<size_t>(sums));
-  const double* xp = x.data_ptr<double>();
-  if (keep_middle) {  // each (a, b) row's smallest over c, then each b's over a
-    std::vector<int64_t> rows(static_cast<size_t>(a * b));
-    if (!smallest_of(xp, rows.data(), a * b, c, 1)) return {e, false};
-    std::fill(smallest.begin(), smallest.end(), kInfBits);
-    for (int64_t i = 0; i < a; ++i) {
-      for (int64_t j = 0; j < b; ++j) {
-        const int64_t key = rows[static_cast<size_t>(i * b + j)];
-        int64_t& best = smallest[static_cast<size_t>(j)];
-        best = key < best ? key : best;
-      }
-    }
-  } else if (!smallest_of(xp, smallest.data(), a, b, c)) {
-    return {e, false};
-  }
-  const double* sp = s.data_ptr<double>();
-  double* ep = e.data_ptr<double>();
-  for (int64_t o = 0; o < sums; ++o) {
-    const int64_t key = smallest[static_cast<size_t>(o)];
-    const bool exact = key == kInfBits ||
-                       sp[o] * slack < limit * target_ulp(static_cast<float>(as_double(key)));
-    ep[o] = exact ? 0.0 : sp[o] * scale + floor;
-  }
-  return {e, true};
-}
-
-// The bound rules' own arithmetic (bounds.py `_norms`, `_channel_sums`, `_window_norms`,
-// `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch
+// The bound rules' own arithmetic (bounds.py `_sum`, `_embedding_backward`, `_norms`,
+// `_channel_sums`, `_window_norms`, `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch
 // twin that gives the same bits: each computes a bound, whose sums may run in any order
 // (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in one fixed order, whatever
 // the thread count: the same bits on every run and machine.
@@ -993,6 +983,192 @@ __attribute__((always_inline)) inline Lanes abs_lanes(Lanes x) {
 }
 
 __attribute__((always_inline)) inline double sum_lanes(Lanes x) { return (x[0] + x[1]) + (x[2] + x[3]); }
+
+// Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
+// into m and its Σ|x| into sums, and whether every element read is a float32 value. Σ|x| in
+// lanes: positions r into lane r % 8, the lanes added up in order, then the last r % 8
+// elements in order; read a block at a time (a multiple of 8 elements), for the sum and then,
+// from the cache, the minimum.
+OVT_CLONES
+int64_t row_terms(const double* x, int64_t* m, double* sums, int64_t reduced, int64_t o0,
+                  int64_t o1) {
+  constexpr int64_t kBlock = 2048;
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  int64_t ok = 1;
+  for (int64_t o = o0; o < o1; ++o) {
+    const double* row = x + o * reduced;
+    Lanes a0 = zero, a1 = zero;
+    double tail = 0.0;
+    int64_t best = kInfBits;
+    for (int64_t start = 0; start < reduced; start += kBlock) {
+      const int64_t stop = std::min(reduced, start + kBlock);
+      int64_t r = start;
+      for (; r + 2 * kWidth <= stop; r += 2 * kWidth) {
+        a0 += abs_lanes(load_lanes(row + r));
+        a1 += abs_lanes(load_lanes(row + r + kWidth));
+      }
+      for (; r < stop; ++r) tail += std::fabs(row[r]);  // (in the last block only)
+      for (r = start; r < stop; ++r) {
+        const double v = row[r];
+        const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
+        const int64_t key = magnitude == 0 ? kInfBits : magnitude;
+        best = key < best ? key : best;
+        ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+      }
+    }
+    m[o] = best;
+    sums[o] = (sum_lanes(a0) + sum_lanes(a1)) + tail;
+  }
+  return ok;
+}
+
+// Each (outer, inner) column's smallest nonzero |x| over `reduced`, as bits, into m (+inf where
+// all are zero), and its Σ|x| into sums, for x viewed as (outer, reduced, inner); and whether
+// every element of x is a float32 value. A minimum and a conjunction are order-free (magnitudes
+// compare as their bit patterns, which order like the values); each sum runs in one fixed
+// order, whatever the thread count (`row_terms`; `column_terms`: in row order).
+bool sum_terms(const double* xp, int64_t* mp, double* sp, int64_t outer, int64_t reduced,
+               int64_t inner) {
+  if (inner == 1) {  // a reduction along contiguous rows
+    const int64_t rows = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced, 1));
+    const int64_t chunks = (outer + rows - 1) / rows;
+    std::vector<int64_t> exact(static_cast<size_t>(chunks), 1);
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        const int64_t o0 = c * rows, o1 = std::min(outer, (c + 1) * rows);
+        exact[static_cast<size_t>(c)] = row_terms(xp, mp, sp, reduced, o0, o1);
+      }
+    });
+    return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
+  }
+  // at least a few cache lines of adjacent columns per work item, even for a long reduction
+  const int64_t width = std::min<int64_t>(
+      inner, std::max<int64_t>(16, kGrain / std::max<int64_t>(reduced, 1)));
+  const int64_t blocks = inner == 0 ? 0 : (inner + width - 1) / width;
+  std::vector<int64_t> exact(static_cast<size_t>(outer * blocks), 1);
+  at::parallel_for(0, outer * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t o = item / blocks, i0 = (item % blocks) * width;
+      const int64_t i1 = std::min(inner, i0 + width);
+      exact[static_cast<size_t>(item)] = column_terms(
+          xp + o * reduced * inner, mp + o * inner, sp + o * inner, reduced, inner, i0, i1, true);
+    }
+  });
+  return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
+}
+
+// The exact-sum rule (bounds.py `_sum` and `_exact_where`): x viewed as (a, b, c), summed over
+// b (keep_middle false: one sum per (a, c)) or over a and c (true: one per b: each (a, b) row's
+// terms, then the rows' in a order). Each sum's bound is e = s·scale + floor, s its Σ|x|
+// (`sum_terms`), but 0 where every order of the sum is exact — all terms zero, or
+// s·slack < limit·m, m the float32 ULP of its smallest nonzero |term| — provided every element
+// of x is a float32 value (else the rule does not apply, and e = s·scale + floor throughout).
+at::Tensor sum_bound(const at::Tensor& x, int64_t a, int64_t b, int64_t c, bool keep_middle,
+                     double scale, double floor, double slack, double limit) {
+  TORCH_CHECK(x.dtype() == at::kDouble && x.is_contiguous() && x.device().is_cpu(),
+              "sum_bound: x must be a contiguous float64 CPU tensor");
+  TORCH_CHECK(a >= 0 && b >= 0 && c >= 0 && x.numel() == a * b * c,
+              "sum_bound: x does not have ", a, " x ", b, " x ", c, " elements");
+  const int64_t sums = keep_middle ? b : a * c;
+  at::Tensor e = at::empty({sums}, x.options());
+  std::vector<int64_t> smallest(static_cast<size_t>(sums), kInfBits);
+  std::vector<double> total(static_cast<size_t>(sums), 0.0);
+  const double* xp = x.data_ptr<double>();
+  bool representable;
+  if (keep_middle) {
+    std::vector<int64_t> rows(static_cast<size_t>(a * b));
+    std::vector<double> row_sums(static_cast<size_t>(a * b));
+    representable = sum_terms(xp, rows.data(), row_sums.data(), a * b, c, 1);
+    for (int64_t i = 0; i < a; ++i) {
+      for (int64_t j = 0; j < b; ++j) {
+        const size_t at = static_cast<size_t>(i * b + j), to = static_cast<size_t>(j);
+        smallest[to] = rows[at] < smallest[to] ? rows[at] : smallest[to];
+        total[to] += row_sums[at];
+      }
+    }
+  } else {
+    representable = sum_terms(xp, smallest.data(), total.data(), a, b, c);
+  }
+  double* ep = e.data_ptr<double>();
+  for (int64_t o = 0; o < sums; ++o) {
+    const int64_t key = smallest[static_cast<size_t>(o)];
+    const double s = total[static_cast<size_t>(o)];
+    const bool exact = representable && (key == kInfBits ||
+        s * slack < limit * target_ulp(static_cast<float>(as_double(key))));
+    ep[o] = exact ? 0.0 : s * scale + floor;
+  }
+  return e;
+}
+
+// The embedding backward's rule (bounds.py `_embedding_backward`): row w of the result sums the
+// gradient rows (grad viewed as (positions, width)) of the positions whose index is w, except
+// those at padding_idx, which the op skips. Each element's bound is e = s·scale + floor, s its
+// Σ|g| (summed here in position order), but 0 where every order of its sum is exact: no terms
+// (every row no index names), all terms zero, or s·slack < limit·m, m the float32 ULP of its
+// smallest nonzero |term| — the last provided every element of grad is a float32 value. Only
+// the named rows are worked out; parallel over blocks of columns, each walking the positions in
+// order.
+at::Tensor embedding_backward_bound(const at::Tensor& grad, const at::Tensor& indices,
+                                    int64_t num_weights, int64_t padding_idx, double scale,
+                                    double floor, double slack, double limit) {
+  TORCH_CHECK(grad.dtype() == at::kDouble && grad.dim() == 2 && grad.is_contiguous() &&
+                  grad.device().is_cpu(),
+              "embedding_backward_bound: grad must be a contiguous 2-D float64 CPU tensor");
+  TORCH_CHECK(indices.dtype() == at::kLong && indices.dim() == 1 && indices.is_contiguous() &&
+                  indices.device().is_cpu() && indices.numel() == grad.size(0),
+              "embedding_backward_bound: indices must be a contiguous int64 CPU vector of ",
+              grad.size(0), " positions");
+  TORCH_CHECK(num_weights >= 0, "embedding_backward_bound: num_weights must not be negative");
+  const int64_t positions = grad.size(0), width = grad.size(1);
+  const int64_t* ip = indices.data_ptr<int64_t>();
+  std::vector<int64_t> slot(static_cast<size_t>(num_weights), -1);  // row -> its slot, or -1
+  std::vector<int64_t> rows;  // the named rows, in the order first named
+  for (int64_t p = 0; p < positions; ++p) {
+    const int64_t w = ip[p];
+    TORCH_CHECK(w >= 0 && w < num_weights, "embedding_backward_bound: index ", w,
+                " is out of range for ", num_weights, " rows");
+    if (w == padding_idx || slot[static_cast<size_t>(w)] >= 0) continue;
+    slot[static_cast<size_t>(w)] = static_cast<int64_t>(rows.size());
+    rows.push_back(w);
+  }
+  const int64_t named = static_cast<int64_t>(rows.size());
+  std::vector<double> sums(static_cast<size_t>(named * width), 0.0);
+  std::vector<int64_t> smallest(static_cast<size_t>(named * width), kInfBits);
+  const double* gp = grad.data_ptr<double>();
+  const int64_t block = std::min<int64_t>(
+      width, std::max<int64_t>(16, kGrain / std::max<int64_t>(positions, 1)));
+  const int64_t blocks = width == 0 ? 0 : (width + block - 1) / block;
+  std::vector<int64_t> exact(static_cast<size_t>(blocks), 1);
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t c0 = item * block, c1 = std::min(width, c0 + block);
+      int64_t ok = 1;
+      for (int64_t p = 0; p < positions; ++p) {
+        const int64_t w = ip[p];
+        if (w == padding_idx) continue;
+        const int64_t at = slot[static_cast<size_t>(w)] * width;
+        ok &= column_terms(gp + p * width, smallest.data() + at, sums.data() + at, 1, width,
+                           c0, c1, false);
+      }
+      exact[static_cast<size_t>(item)] = ok;
+    }
+  });
+  const bool representable =
+      std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
+  at::Tensor e = at::zeros({num_weights, width}, grad.options());
+  double* ep = e.data_ptr<double>();
+  for (int64_t k = 0; k < named; ++k) {
+    double* out = ep + rows[static_cast<size_t>(k)] * width;
+    for (int64_t c = 0; c < width; ++c) {
+      const int64_t key = smallest[static_cast<size_t>(k * width + c)];
+      const double total = sums[static_cast<size_t>(k * width + c)];
+      const bool zero = representable && (key == kInfBits ||
+          total * slack < limit * target_ulp(static_cast<float>(as_double(key))));
+      out[c] = zero ? 0.0 : total * scale + floor;
+    }
+  }
+  return e;
+}
 
 // One (n, c) run of `size` elements: its squares added into acc[s], and into out its Σ t² and
 // Σ |t| (two sets of lanes, positions s into lane s % 8, added up in lane order).
@@ -1656,8 +1832,8 @@ TORCH_LIBRARY(ovt, lib) {
       "-> (Tensor, Tensor, Tensor, bool)");
   lib.def("nearest(Tensor(b!) y, Tensor(a!) r) -> ()");
   lib.def(
-      "sum_bound(Tensor x, Tensor s, int a, int b, int c, bool keep_middle, float scale, "
-      "float floor, float slack, float limit) -> (Tensor, bool)");
+      "sum_bound(Tensor x, int a, int b, int c, bool keep_middle, float scale, "
+      "float floor, float slack, float limit) -> Tensor");
   lib.def(
       "apply_entries(Tensor y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
       "Tensor value_indices, Tensor values, int mode, Tensor? m, Tensor? col, Tensor? add, "
@@ -1668,8 +1844,17 @@ TORCH_LIBRARY(ovt, lib) {
       "int b_count) -> ()");
   lib.def("small_quotients(Tensor a, Tensor? b, float v) -> bool");
   lib.def(
+      "pointwise_list_serves(int op, Tensor[] a, Tensor[] b, Tensor[] c, float[] v, "
+      "bool in_place) -> int");
+  lib.def(
+      "pointwise_list(int op, Tensor[] a, Tensor[] b, Tensor[] c, float[] v, Tensor(a!)[] out) "
+      "-> ()");
+  lib.def(
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
   lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor)");
+  lib.def(
+      "embedding_backward_bound(Tensor grad, Tensor indices, int num_weights, int padding_idx, "
+      "float scale, float floor, float slack, float limit) -> Tensor");
   lib.def("row_stats(Tensor x, int a, int b, int c) -> (Tensor, Tensor)");
   lib.def("row_extremes(Tensor x, Tensor? g, int a, int b, int c) -> (Tensor, Tensor, Tensor)");
   lib.def(
@@ -1698,11 +1883,13 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("nearest", &nearest);
   lib.impl("pointwise", &pointwise);
   lib.impl("small_quotients", &small_quotients);
+  lib.impl("pointwise_list", &pointwise_list);
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
   lib.impl("norms", &norms);
   lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
   lib.impl("channel_sums", &channel_sums);
+  lib.impl("embedding_backward_bound", &embedding_backward_bound);
   lib.impl("row_stats", &row_stats);
   lib.impl("row_extremes", &row_extremes);
   lib.impl("row_backward_sums", &row_backward_sums);
@@ -1710,6 +1897,12 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("window_norms", &window_norms);
   lib.impl("fused_normalize", &normalize);
   lib.impl("fused_normalize_backward", &normalize_backward);
+}
+
+// Asked of lists on any device (a CUDA tensor among them makes the answer no, not a missing
+// kernel): registered for every backend.
+TORCH_LIBRARY_IMPL(ovt, CompositeExplicitAutograd, lib) {
+  lib.impl("pointwise_list_serves", &pointwise_list_serves);
 }
 
 // `_fused.philox(key0, key1, first_block, blocks)`: a bytearray of the blocks' words (native

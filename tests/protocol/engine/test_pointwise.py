@@ -338,6 +338,154 @@ def test_foreach_forms_are_one_site_and_the_formula(overload):
             assert len(rec.claimed) == (1 if path == "fused" else 0)
 
 
+def _foreach_in_place(op: str, xs: list[torch.Tensor], *rest) -> list[torch.Tensor]:
+    getattr(torch, f"_foreach_{op}_")(xs, *rest)
+    return xs
+
+
+def _foreach_cases(values: list[float]):
+    """(name, call on lists xs, ys, zs, code, the scalar per element before rounding)."""
+    v, w = values[0], values[1]
+    for place in ("", "_"):
+        def run(op, rest, place=place):
+            if place:
+                return lambda xs, ys, zs: _foreach_in_place(op, xs, *rest(ys, zs))
+            return lambda xs, ys, zs: getattr(torch, f"_foreach_{op}")(xs, *rest(ys, zs))
+        yield from [
+            (f"mul{place}.Scalar", run("mul", lambda y, z: (v,)), pointwise.MUL_SCALAR, [v] * 3),
+            (f"mul{place}.List", run("mul", lambda y, z: (y,)), pointwise.MUL, [0.0] * 3),
+            (f"mul{place}.ScalarList", run("mul", lambda y, z: (values,)), pointwise.MUL_SCALAR,
+             values),
+            (f"add{place}.Scalar", run("add", lambda y, z: (w,)), pointwise.ADD_SCALAR, [w] * 3),
+            (f"add{place}.List", run("add", lambda y, z: (y,)), pointwise.ADD, [0.0] * 3),
+            (f"sub{place}.ScalarList", run("sub", lambda y, z: (values,)), pointwise.SUB_SCALAR,
+             values),
+            (f"sub{place}.List", run("sub", lambda y, z: (y,)), pointwise.SUB, [0.0] * 3),
+            (f"div{place}.ScalarList", run("div", lambda y, z: (values,)), pointwise.DIV_SCALAR,
+             values),
+            (f"div{place}.List", run("div", lambda y, z: (y,)), pointwise.DIV, [0.0] * 3),
+            (f"addcmul{place}.Scalar", run("addcmul", lambda y, z: (y, z, v)), pointwise.ADDCMUL,
+             [v] * 3),
+            (f"addcdiv{place}.ScalarList", run("addcdiv", lambda y, z: (y, z, values)),
+             pointwise.ADDCDIV, values),
+            (f"lerp{place}.Scalar", run("lerp", lambda y, z: (y, w)), pointwise.LERP, [w] * 3),
+            (f"lerp{place}.ScalarList", run("lerp", lambda y, z: (y, values)), pointwise.LERP,
+             values),
+            (f"sqrt{place}", run("sqrt", lambda y, z: ()), pointwise.SQRT, [0.0] * 3),
+        ]
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, 1])
+def test_foreach_ops_are_one_list_call_with_the_formulas_bits(seed, monkeypatch):
+    """Every foreach form the fused pass takes (Scalar, List, ScalarList; in place and not) is
+    one `pointwise_list` call (`pointwise.foreach_call`) over elements of three sizes, one of
+    them a single element, on hard values: each element the formula's float32 bits (numpy's
+    exact reference; quotients of `quotient_operands`, none of which keeps a band), one site of
+    the lists' total, claimed, nothing logged; and the torch path's bits, NaNs' payloads aside
+    (`_same`)."""
+    sizes = (300, 1, 77)
+    s, t1, t2 = cancelling(seed + 40)
+    cuts = np.cumsum(sizes)[:-1]
+    dividends, divisors = quotient_operands(seed + 40)  # (no quotient below 2^-125)
+    values = [0.3, -2.0, 3]  # (an int among them, used as it is)
+    listed = []
+    real = pointwise.run_list
+    monkeypatch.setattr(pointwise, "run_list", lambda *a: listed.append(1) or real(*a))
+    for name, call, code, scalars in _foreach_cases(values):
+        quotient = code in (pointwise.DIV, pointwise.DIV_SCALAR)
+        ss, aa, bb = (np.split(x[:sum(sizes)], cuts) for x in (
+            dividends if quotient else s, divisors if quotient else t1, t2))
+        outs = {}
+        for path in ("fused", "torch"):
+            xs, ys, zs = ([T(x.copy()) for x in group] for group in (ss, aa, bb))
+            rec, calls = Exact(), len(listed)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "ENABLED", path == "fused")
+                with RoundingMode(POLICY, rec):
+                    outs[path] = call(xs, ys, zs)
+            assert len(listed) - calls == (path == "fused"), (name, path)
+            assert len(rec.claimed) == (path == "fused"), (name, path)
+            assert [site.numel for site in rec.sites] == [sum(sizes)], (name, path)
+            assert not any(site.indices.size or site.value_indices.size for site in rec.sites)
+            if name.endswith("_") or "_." in name:
+                assert outs[path] is xs, name
+        b = None if code in (pointwise.MUL_SCALAR, pointwise.ADD_SCALAR, pointwise.SUB_SCALAR,
+                             pointwise.DIV_SCALAR, pointwise.SQRT) else aa
+        c = bb if code in (pointwise.ADDCMUL, pointwise.ADDCDIV) else None
+        for i, got in enumerate(outs["fused"]):
+            v = q(scalars[i]) if isinstance(scalars[i], float) else float(scalars[i])
+            if code in (pointwise.DIV, pointwise.DIV_SCALAR, pointwise.SQRT):
+                with np.errstate(all="ignore"):
+                    a64 = ss[i].astype(np.float64)
+                    want = (np.sqrt(a64) if code == pointwise.SQRT else
+                            a64 / (aa[i].astype(np.float64) if b is not None else v))
+                want = want.astype(np.float32)
+            else:
+                want = reference(code, ss[i], None if b is None else b[i],
+                                 None if c is None else c[i], v)
+            if code == pointwise.SQRT:  # (the correctly rounded float32 root)
+                with np.errstate(all="ignore"):
+                    want = np.sqrt(ss[i])
+            assert_bits(got, want, f"{name} {i}")
+            assert _same(got, outs["torch"][i]), f"{name} {i}"
+
+
+@needs_fused
+def test_the_list_call_declines_what_it_cannot_serve_and_the_bits_stay():
+    """Lists the list call does not take go element by element (`pointwise.operands`): a
+    broadcast operand (which that path still fuses), a strided element, a float64 one, an
+    element written twice, an operand that is another element's written memory, a quotient
+    below 2^-125 (which keeps its band), an integer divisor that is no float32 value and an
+    alpha (both the bounded path) — each with the torch path's bits, every element read as it
+    was before the op wrote any."""
+    s, t1, _ = cancelling(23)
+    a = [T(s[:64].copy()), T(s[64:128].copy())]
+    b = [T(t1[:64].copy()), T(t1[64:65].copy())]  # the second broadcast over its element
+    tiny = np.arange(1, 65, dtype=np.float32) * np.float32(2.0**-149)
+    listed = []
+    real = pointwise.run_list
+
+    def spy(*args):
+        listed.append(1)
+        return real(*args)
+
+    calls = {
+        "broadcast": lambda: torch._foreach_mul([x.clone() for x in a], b),
+        "strided": lambda: torch._foreach_mul([a[0].clone(), a[1].reshape(8, 8).t()], 2.0),
+        "float64": lambda: torch._foreach_add([a[0].clone(), a[1].double()], 1.0),
+        "written twice": lambda: _foreach_in_place("mul", [a[0].clone()] * 2, 2.0),
+        "another's memory": lambda: _two_shared(a),
+        "small quotient": lambda: _foreach_in_place("div", [T(tiny.copy()), a[1].clone()], 2.0),
+        "int divisor": lambda: torch._foreach_div([x.clone() for x in a], [3, 2**40 + 1]),
+        "alpha 2": lambda: torch._foreach_add([x.clone() for x in a], [x.clone() for x in a],
+                                              alpha=2),
+    }
+    got = {}
+    for name, call in calls.items():
+        outs = {}
+        for path in ("fused", "torch"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "ENABLED", path == "fused")
+                mp.setattr(pointwise, "run_list", spy)
+                with RoundingMode(POLICY, Exact()):
+                    outs[path] = [x.clone() for x in call()]
+        assert not listed, name
+        assert all(_same(x, y) for x, y in zip(outs["fused"], outs["torch"], strict=True)), name
+        got[name] = outs["fused"]
+    x = s[:64].astype(np.float64)  # another's memory: both read x before either was written
+    with np.errstate(all="ignore"):
+        square = T((x * x).astype(np.float32))
+    assert all(_same(y, square) for y in got["another's memory"])
+
+
+def _two_shared(a: list[torch.Tensor]) -> list[torch.Tensor]:
+    """x.mul_(x) and y.mul_(x) as one foreach op: y's operand is x, which the list writes."""
+    x, y = a[0].clone(), a[0].clone()
+    torch._foreach_mul_([x, y], [x, x])
+    return [x, y]
+
+
 def _both_paths(call) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`call()` under record on the fused and the torch path: the two results and whether the
     fused path claimed the site."""
