@@ -150,7 +150,7 @@ def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | Non
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,
                   offset: int, entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                               torch.Tensor],
-                  policy: PrecisionPolicy, wide: float) -> bool:
+                  policy: PrecisionPolicy, wide: float, widen_back: bool = False) -> bool:
     """Check and apply, in one pass, the logged entries of a site that fall in its result `y`
     (`flat` its values, at site positions from `offset`; `r` = RNE(flat), written in place):
     `entries` = (direction indices, their directions, value indices, value bits), int64, bool,
@@ -158,16 +158,22 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
     and writes as `SiteReplayer._apply_directions` and `_apply_values` (csrc/fused.cpp
     `apply_entries`). True where it applied them all; False, with `r` untouched, where the pass
     does not serve here (CUDA, the bfloat16 policy, no extension, a result with e = 0) or an
-    entry is invalid: the caller's torch ops then apply them, or report the violation."""
+    entry is invalid: the caller's torch ops then apply them, or report the violation.
+
+    `widen_back`: `r` is not yet RNE(flat) but a buffer of its size, and the caller owns the
+    contiguous `flat`; the pass writes the rounding with the entries applied into `r`, and
+    into `flat` widened (`round_band`'s `widen_back`), in the one read that would otherwise
+    be a cast and a copy back. False, with nothing written, where it does not serve."""
     if not flat.numel():
         return True  # (no entry can fall in it)
-    if bound is None or not _fused_serves(flat, policy):
+    if bound is None or not _fused_serves(flat, policy) or \
+            (widen_back and not flat.is_contiguous()):
         return False
     spec = _flat_bound(y, bound)
     return torch.ops.ovt.apply_entries(flat.contiguous(), r, offset, *entries, spec.mode,
                                        spec.m, spec.col, spec.add, spec.inner, spec.rows,
                                        spec.scale, spec.floor, spec.weight, policy.overflow,
-                                       float(wide))
+                                       float(wide), widen_back)
 
 
 def _fused_serves(flat: torch.Tensor, policy: PrecisionPolicy) -> bool:

@@ -1049,13 +1049,20 @@ def _softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     fits; the float32 compute of bfloat16 values may underflow, a subnormal unit each), so ŝ
     errs by γ_{K−1}·P, P = Σ_j |g_j·y_j| ≥ |s|. Then y_i·(g_i − ŝ) (two roundings, on at most
     |y_i|·(|g_i| + P)), or g_i·y_i − y_i·ŝ (exact, one rounding, one subtraction), FMA or
-    not: e_i = SAFETY·1.02·u·((K + 5)·|y_i|·P + 3·|g_i·y_i|), plus (K + 4) subnormal units."""
+    not: e_i = SAFETY·1.02·u·((K + 5)·|y_i|·P + 3·|g_i·y_i|), plus (K + 4) subnormal units.
+    Rows along the last dimension take one C++ pass per row where the library is loaded
+    (`fused.own_arithmetic`: `softmax_backward_bound`), else torch ops."""
     g, y, dim = _f64(args[0]), _f64(args[1]), args[2]
     k = _row(y, dim)
+    bound = partial(Affine, SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny)
+    if fused.own_arithmetic(y) and y.numel() and y.dim() and dim % y.dim() == y.dim() - 1:
+        rows = (y.numel() // k, k)
+        base = torch.ops.ovt.softmax_backward_bound(g.reshape(rows).contiguous(),
+                                                    y.reshape(rows).contiguous(), float(k + 5))
+        return [bound(base.reshape(y.shape))]
     q = (g * y).abs_()
     p = q.sum(dim, keepdim=True) if q.numel() else q
-    base = torch.add(y.abs().mul_(p * (k + 5)), q, alpha=3)
-    return [Affine(SAFETY * _SLACK * ctx.u, SAFETY * (k + 4) * ctx.tiny, base)]
+    return [bound(torch.add(y.abs().mul_(p * (k + 5)), q, alpha=3))]
 
 
 def _log_softmax_backward(ctx, func, args, kwargs, ys) -> list[Bound]:

@@ -59,18 +59,22 @@ from protocol.engine.precision import holds_integer
 FIXED = frozenset({"addcmul", "addcdiv", "lerp"})  # computed by formula, never by ATen
 
 # The overloads taken, per op family: (single tensor, foreach). A foreach op's `.Tensor` form
-# of addcmul/addcdiv holds its scalars in a tensor; `_foreach_mul.Tensor` multiplies by one
-# tensor, and lerp's `.Tensor`/`.List` take tensor weights: those stay ATen ops. The `out=`
-# forms of the fixed formulas are fixed formulas too, computed on the widened path only.
+# of addcmul/addcdiv holds its scalars in a tensor; that of mul, add and div takes one tensor
+# for every element (`_foreach_add_(steps, one)`: the optimizer's step counts); lerp's
+# `.Tensor`/`.List` take tensor weights: those stay ATen ops. The `out=` forms of the fixed
+# formulas are fixed formulas too, computed on the widened path only.
 _OVERLOADS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "mul": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
-    "add": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
+    "mul": (frozenset({"Tensor", "Scalar"}),
+            frozenset({"Scalar", "List", "ScalarList", "Tensor"})),
+    "add": (frozenset({"Tensor", "Scalar"}),
+            frozenset({"Scalar", "List", "ScalarList", "Tensor"})),
     "sub": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
     "addcmul": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
     "addcdiv": (frozenset({"default", "out"}), frozenset({"Scalar", "ScalarList", "Tensor"})),
     "lerp": (frozenset({"Scalar", "Scalar_out"}), frozenset({"Scalar", "ScalarList"})),
     "sqrt": (frozenset({"default"}), frozenset({"default"})),
-    "div": (frozenset({"Tensor", "Scalar"}), frozenset({"Scalar", "List", "ScalarList"})),
+    "div": (frozenset({"Tensor", "Scalar"}),
+            frozenset({"Scalar", "List", "ScalarList", "Tensor"})),
 }
 
 
@@ -163,17 +167,18 @@ def foreach_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, round_s
     """A foreach op of this module as one list call (`ForeachCall`): what `operands` makes of it
     element by element, without a Python step per element. None where it is not one: not a
     foreach op this module takes, keyword arguments, scalars held in a tensor (the `.Tensor`
-    forms), an empty list, or a number that `_element` refuses; then `operands` takes it.
-    Whether the lists' tensors qualify is `list_serves`'s to say."""
+    forms of addcmul and addcdiv), an empty list, or a number that `_element` refuses; then
+    `operands` takes it. Whether the lists' tensors qualify is `list_serves`'s to say."""
     name, foreach, _ = family(func)
-    if not foreach or kwargs or not takes(func) or func._overloadname == "Tensor" or \
-            not args[0]:
+    overload = func._overloadname
+    if not foreach or kwargs or not takes(func) or not args[0] or \
+            (overload == "Tensor" and name in FIXED):
         return None
     first = _element(name, tuple(a[0] if isinstance(a, (list, tuple)) else a for a in args), {})
     if first is None:
         return None
     count = len(args[0])
-    numbers = args[-1] if func._overloadname == "ScalarList" else None
+    numbers = args[-1] if overload == "ScalarList" else None
     if numbers is None:
         v = [_scalar(first, round_scalar)] * count
     else:
@@ -182,8 +187,9 @@ def foreach_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, round_s
                     isinstance(x, float) or holds_integer(torch.float32, x) for x in numbers)):
             return None
         v = [round_scalar(x) if isinstance(x, float) else float(x) for x in numbers]
-    return ForeachCall(first.code, list(args[0]), list(args[1]) if first.b is not None else [],
-                       list(args[2]) if first.c is not None else [], v)
+    b = [] if first.b is None else [args[1]] * count if overload == "Tensor" else list(args[1])
+    return ForeachCall(first.code, list(args[0]), b, list(args[2]) if first.c is not None else [],
+                       v)
 
 
 def list_serves(call: ForeachCall, in_place: bool) -> int | None:

@@ -322,12 +322,18 @@ class SiteReplayer(_RoundingPaths):
         """`round_site(op, [y], [bound])`, and whether `y` — which the caller owns — now holds
         its rounding widened (`SiteRecorder.round_result_in_place`): where the site has no
         entries (most) and the fused pass serves a contiguous `y`, and where it has entries and
-        `y` is contiguous (written once they are applied: the consumers of a large result with
-        entries then widen nothing, as after record's band pass)."""
+        `y` is contiguous (written once they are applied, by the fused pass in its one read
+        where it serves: the consumers of a large result with entries then widen nothing, as
+        after record's band pass)."""
         site = self._next_site(op, y.numel())
         if not (site.indices.size or site.value_indices.size):
             r, widened = nearest(y.reshape(-1), self.policy, widen_back=y.is_contiguous())
             return _shaped(r, y), widened
+        if y.is_contiguous():  # the rounding, its entries and the write-back in one pass
+            r = torch.empty(y.numel(), dtype=self.policy.target, device=y.device)
+            if apply_entries(y.view(-1), y, bound, r, 0, _entry_tensors(site), self.policy, WIDE,
+                             widen_back=True):
+                return _shaped(r, y), True
         r, bad_value = self._replay_part(op, site, 0, y, bound, check_values=True)
         if bad_value is not None:
             raise bad_value

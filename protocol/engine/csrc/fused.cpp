@@ -20,8 +20,8 @@
 // - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
 // - sum_bound, embedding_backward_bound, norms, channel_sums, window_norms,
-//   layer_norm_backward_bound and log_softmax_backward_bound, bound rules' own arithmetic (no
-//   torch twin: see there);
+//   layer_norm_backward_bound, softmax_backward_bound and log_softmax_backward_bound, bound
+//   rules' own arithmetic (no torch twin: see there);
 // - row_stats and row_backward_sums, the normalisation statistics in their own summation order
 //   (normops.py; no torch twin either), and row_extremes, their rules' terms;
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
@@ -806,47 +806,28 @@ const int64_t* entry_indices(const at::Tensor& t, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
-// The replayer's logged entries of one result `y` of a site, the result at site positions
-// [offset, offset + n) (rounding.py `SiteReplayer._apply_directions` and `_apply_values`, the
-// same checks with the same operations): each entry in that range is checked — a direction
-// entry needs e > 0, δ <= 4e and a finite y; a value entry e > 0, bits that fit float32, y
-// within 4e of a boundary, 2·wide·e >= ULP(v), v not NaN and near y (within ULP(v)/2 + 4e; for
-// an infinite v, y of its sign within 4e of the overflow threshold). Only if every one passes
-// are they applied to r (float32, RNE(y)): directions by stepping one ULP where RNE went the
-// other way, values by writing them. Returns whether they were applied; on false nothing is
-// written and the caller's torch ops report the first violation.
-bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
-                   const at::Tensor& indices, const at::Tensor& up,
-                   const at::Tensor& value_indices, const at::Tensor& values, int64_t mode,
-                   const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& col,
-                   const c10::optional<at::Tensor>& add, int64_t inner, int64_t rows,
-                   double scale, double floor, double weight, double overflow, double wide) {
-  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
-                  y.device().is_cpu(),
-              "apply_entries: y must be a 1-D contiguous float64 CPU tensor");
-  const int64_t n = y.numel();
-  TORCH_CHECK(r.dtype() == at::kFloat && r.is_contiguous() && r.device().is_cpu() &&
-                  r.numel() == n,
-              "apply_entries: r must be a contiguous float32 CPU tensor of ", n, " elements");
-  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.numel() == indices.numel(),
-              "apply_entries: up must be a contiguous bool tensor, one per index");
-  TORCH_CHECK(values.numel() == value_indices.numel(),
-              "apply_entries: values must be one per value index");
-  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight,
-                           "apply_entries");
-  const double* yp = y.data_ptr<double>();
-  float* rp = r.data_ptr<float>();
+// The roundings that the entries of one result give, where every entry in its range is valid
+// (`apply_entries`), as (position in the result, float32 value) pairs, directions first; false
+// at the first invalid one. RNE(y[i]) is read from rp, or computed where rp is null.
+bool entry_roundings(const Spec& s, const double* yp, const float* rp, int64_t n, int64_t offset,
+                     const at::Tensor& indices, const at::Tensor& up,
+                     const at::Tensor& value_indices, const at::Tensor& values, double overflow,
+                     double wide, std::vector<std::pair<int64_t, float>>& out) {
   const int64_t* dir = entry_indices(indices, "indices");
   const bool* dir_up = up.data_ptr<bool>();
   const int64_t* val = entry_indices(value_indices, "value_indices");
   const int64_t* bits = entry_indices(values, "values");
   const int64_t dirs = indices.numel(), vals = value_indices.numel();
   const auto mine = [offset, n](int64_t index) { return index >= offset && index < offset + n; };
+  const auto nearest_at = [yp, rp](int64_t i) {
+    return rp != nullptr ? rp[i] : static_cast<float>(yp[i]);
+  };
   for (int64_t k = 0; k < dirs; ++k) {
     if (!mine(dir[k])) continue;
     const int64_t i = dir[k] - offset;
     const double yv = yp[i], ev = bound_at(s, yp, i);
-    if (!(ev > 0 && boundary_distance(yv, rp[i], overflow) <= 4 * ev && std::isfinite(yv))) {
+    if (!(ev > 0 && boundary_distance(yv, nearest_at(i), overflow) <= 4 * ev &&
+          std::isfinite(yv))) {
       return false;
     }
   }
@@ -870,22 +851,65 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
   for (int64_t k = 0; k < dirs; ++k) {
     if (!mine(dir[k])) continue;
     const int64_t i = dir[k] - offset;
-    const float rv = rp[i];
+    const float rv = nearest_at(i);
     // rounding.py `step_toward`: one ULP away from zero is +1 on the bit pattern, toward it -1
-    if ((std::fabs(static_cast<double>(rv)) > std::fabs(yp[i])) != dir_up[k]) {
-      rp[i] = __builtin_bit_cast(float, __builtin_bit_cast(int32_t, rv) + (dir_up[k] ? 1 : -1));
-    }
+    const bool away = std::fabs(static_cast<double>(rv)) > std::fabs(yp[i]);
+    out.emplace_back(i, away == dir_up[k] ? rv
+                            : __builtin_bit_cast(float, __builtin_bit_cast(int32_t, rv) +
+                                                            (dir_up[k] ? 1 : -1)));
   }
   for (int64_t k = 0; k < vals; ++k) {
     if (mine(val[k])) {
-      rp[val[k] - offset] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
+      out.emplace_back(val[k] - offset, __builtin_bit_cast(float, static_cast<uint32_t>(bits[k])));
     }
   }
   return true;
 }
 
+// The replayer's logged entries of one result `y` of a site, the result at site positions
+// [offset, offset + n) (rounding.py `SiteReplayer._apply_directions` and `_apply_values`, the
+// same checks with the same operations): each entry in that range is checked — a direction
+// entry needs e > 0, δ <= 4e and a finite y; a value entry e > 0, bits that fit float32, y
+// within 4e of a boundary, 2·wide·e >= ULP(v), v not NaN and near y (within ULP(v)/2 + 4e; for
+// an infinite v, y of its sign within 4e of the overflow threshold). Only if every one passes
+// are they applied to r (float32, RNE(y)): directions by stepping one ULP where RNE went the
+// other way, values by writing them. With `widen_back`, r need not hold RNE(y) yet: once the
+// entries pass, one pass writes it and overwrites y with r widened (`nearest`), and the
+// entries' roundings go into both (a result the caller owns: `round_result_in_place`).
+// Returns whether they were applied; on false nothing is written and the caller's torch ops
+// report the first violation.
+bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
+                   const at::Tensor& indices, const at::Tensor& up,
+                   const at::Tensor& value_indices, const at::Tensor& values, int64_t mode,
+                   const c10::optional<at::Tensor>& m, const c10::optional<at::Tensor>& col,
+                   const c10::optional<at::Tensor>& add, int64_t inner, int64_t rows,
+                   double scale, double floor, double weight, double overflow, double wide,
+                   bool widen_back) {
+  const int64_t n = site_length(y, r, "apply_entries");
+  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.numel() == indices.numel(),
+              "apply_entries: up must be a contiguous bool tensor, one per index");
+  TORCH_CHECK(values.numel() == value_indices.numel(),
+              "apply_entries: values must be one per value index");
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight,
+                           "apply_entries");
+  double* yp = y.data_ptr<double>();
+  float* rp = r.data_ptr<float>();
+  std::vector<std::pair<int64_t, float>> roundings;
+  if (!entry_roundings(s, yp, widen_back ? nullptr : rp, n, offset, indices, up, value_indices,
+                       values, overflow, wide, roundings)) {
+    return false;
+  }
+  if (widen_back) nearest(y, r);
+  for (const auto& [i, v] : roundings) {
+    rp[i] = v;
+    if (widen_back) yp[i] = static_cast<double>(v);
+  }
+  return true;
+}
+
 // The bound rules' own arithmetic (bounds.py `_sum`, `_embedding_backward`, `_norms`,
-// `_channel_sums`, `_window_norms`, `_layer_norm_backward`, `_log_softmax_backward`). Unlike the passes above these have no torch
+// `_channel_sums`, `_window_norms`, `_layer_norm_backward`, `_softmax_backward`,
+// `_log_softmax_backward`). Unlike the passes above these have no torch
 // twin that gives the same bits: each computes a bound, whose sums may run in any order
 // (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in one fixed order, whatever
 // the thread count: the same bits on every run and machine.
@@ -1715,6 +1739,47 @@ at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
   return base;
 }
 
+// One row of `softmax_backward_bound`: P = Σ |g_j·y_j| (interleaved lanes), then each base.
+OVT_CLONES void softmax_backward_row(const double* __restrict__ g, const double* __restrict__ y,
+                                     int64_t k, double coefficient, double* __restrict__ out) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes a0 = zero, a1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= k; j += 2 * kWidth) {
+    a0 += abs_lanes(load_lanes(g + j) * load_lanes(y + j));
+    a1 += abs_lanes(load_lanes(g + j + kWidth) * load_lanes(y + j + kWidth));
+  }
+  double total = sum_lanes(a0) + sum_lanes(a1);
+  for (; j < k; ++j) total += std::fabs(g[j] * y[j]);
+  const double factor = total * coefficient;
+  for (int64_t i = 0; i < k; ++i) {
+    out[i] = std::fabs(y[i]) * factor + 3.0 * std::fabs(g[i] * y[i]);
+  }
+}
+
+// The bases of bounds.py `_softmax_backward` for rows of k elements of g and y (contiguous
+// float64, rows x k): |y_i|·(P·coefficient) + 3·|g_i·y_i|, P = Σ_j |g_j·y_j| of the row.
+at::Tensor softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
+                                  double coefficient) {
+  TORCH_CHECK(g.dtype() == at::kDouble && y.dtype() == at::kDouble && g.is_contiguous() &&
+                  y.is_contiguous() && g.device().is_cpu() && y.device().is_cpu() &&
+                  g.dim() == 2 && g.sizes() == y.sizes(),
+              "softmax_backward_bound: g and y must be contiguous float64 CPU tensors, "
+              "rows x k");
+  const int64_t rows = g.size(0), k = g.size(1);
+  at::Tensor base = at::empty({rows, k}, g.options());
+  const double* gp = g.data_ptr<double>();
+  const double* yp = y.data_ptr<double>();
+  double* bp = base.data_ptr<double>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(k, 1)),
+                   [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      softmax_backward_row(gp + i * k, yp + i * k, k, coefficient, bp + i * k);
+    }
+  });
+  return base;
+}
+
 // The bases of bounds.py `_layer_norm_backward` (read its docstring for the terms), for rows of
 // n elements of g and x (contiguous float64, rows x n), the rows' mean and rstd, the weight w
 // (n values, or none) and u: dx's base per element, dw's and db's per column (each times its
@@ -1835,10 +1900,10 @@ TORCH_LIBRARY(ovt, lib) {
       "sum_bound(Tensor x, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> Tensor");
   lib.def(
-      "apply_entries(Tensor y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
+      "apply_entries(Tensor(b!) y, Tensor(a!) r, int offset, Tensor indices, Tensor up, "
       "Tensor value_indices, Tensor values, int mode, Tensor? m, Tensor? col, Tensor? add, "
       "int inner, int rows, float scale, float floor, float weight, float overflow, "
-      "float wide) -> bool");
+      "float wide, bool widen_back) -> bool");
   lib.def(
       "pointwise(int op, Tensor a, Tensor? b, Tensor? c, float v, Tensor(a!) out, int b_inner, "
       "int b_count) -> ()");
@@ -1852,6 +1917,7 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
   lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor)");
+  lib.def("softmax_backward_bound(Tensor g, Tensor y, float coefficient) -> Tensor");
   lib.def(
       "embedding_backward_bound(Tensor grad, Tensor indices, int num_weights, int padding_idx, "
       "float scale, float floor, float slack, float limit) -> Tensor");
@@ -1889,6 +1955,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("norms", &norms);
   lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
   lib.impl("channel_sums", &channel_sums);
+  lib.impl("softmax_backward_bound", &softmax_backward_bound);
   lib.impl("embedding_backward_bound", &embedding_backward_bound);
   lib.impl("row_stats", &row_stats);
   lib.impl("row_extremes", &row_extremes);

@@ -493,6 +493,73 @@ def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monk
     assert verdicts["ok"] > 100 and verdicts["violation"] > 100, verdicts
 
 
+def replay_in_place(y, bound, site, monkeypatch, on: bool):
+    """`round_result_in_place` of a one-result site with the fused passes on or off: ("ok",
+    the rounding's bits, whether `y` was written, `y`'s bits after) or ("violation", the
+    error's text, `y`'s bits after). `y` is a copy: the replayer owns and overwrites it."""
+    from protocol.codec.roundinglog import RoundingLog
+    from protocol.engine import rounding
+    from protocol.errors import LogViolationError
+    monkeypatch.setattr(fused, "ENABLED", on)
+    y = y.clone()
+    replayer = rounding.SiteReplayer(POLICY, RoundingLog((site,), ()), step=7)
+    try:
+        r, widened = replayer.round_result_in_place("aten.op", y, bound)
+    except LogViolationError as err:
+        return ("violation", str(err), y.view(torch.int64))
+    return ("ok", r.view(torch.int32), widened, y.view(torch.int64))
+
+
+@needs_fused
+def test_replayed_entries_written_back_in_one_pass_as_by_the_torch_ops(monkeypatch):
+    """A replayed result the replayer owns (`round_result_in_place`) with log entries: the
+    fused pass rounds it, checks and applies the entries and writes the result back widened in
+    one read (`apply_entries`'s `widen_back`); the torch ops do it in three. Direction and
+    value entries, valid and not, on every contiguous hard site: the same verdict (the same
+    violation text, and the result left as it was), or the same bits, with the result then
+    holding them widened."""
+    from protocol.codec.roundinglog import SiteLog
+    from protocol.engine import rounding
+    done: list[bool] = []  # what the fused pass returned, asked to write back
+    real = bandpass.apply_entries
+
+    def spy(*args, widen_back=False):
+        applied = real(*args, widen_back=widen_back)
+        if widen_back and fused.ENABLED:
+            done.append(applied)
+        return applied
+    monkeypatch.setattr(rounding, "apply_entries", spy)
+    rng = np.random.default_rng(3)
+    verdicts = {"ok": 0, "violation": 0}
+    for name, y, bound in sites(3):
+        flat = y.reshape(-1)
+        if not flat.numel() or not y.is_contiguous() or bound is None:
+            continue
+        r = flat.to(torch.float32)
+        picks = sorted(int(p) for p in rng.choice(flat.numel(), size=12, replace=False))
+        logs = [SiteLog(flat.numel(), np.array([i], dtype=np.int64), np.array([up]))
+                for i in picks for up in (False, True)]
+        logs += [SiteLog(flat.numel(), np.zeros(0, dtype=np.int64), np.zeros(0, bool),
+                         np.array([i], dtype=np.int64), np.array([bits], dtype=np.int64))
+                 for i in picks[:4] for bits in value_choices(r[i])]
+        for site in logs:
+            done.clear()
+            got = replay_in_place(y, bound, site, monkeypatch, True)
+            want = replay_in_place(y, bound, site, monkeypatch, False)
+            assert got[0] == want[0], (name, got[:2], want[:2])
+            verdicts[got[0]] += 1
+            if got[0] == "violation":
+                assert got[1] == want[1], name
+                assert torch.equal(got[2], y.view(torch.int64)), name  # (left as it was)
+                assert torch.equal(want[2], y.view(torch.int64)), name
+                continue
+            assert done == [True], name  # the fused pass did it, in its one read
+            assert torch.equal(got[1], want[1]) and got[2] and want[2], name
+            widened = got[1].view(torch.float32).double().view(torch.int64).view(y.shape)
+            assert torch.equal(got[3], widened) and torch.equal(want[3], widened), name
+    assert verdicts["ok"] > 50 and verdicts["violation"] > 50, verdicts
+
+
 @needs_fused
 def test_replayed_entries_of_a_site_of_several_results(monkeypatch):
     """A foreach-like site of three results (one with e = 0): entries are found in the result

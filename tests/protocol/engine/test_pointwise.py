@@ -432,6 +432,51 @@ def test_foreach_ops_are_one_list_call_with_the_formulas_bits(seed, monkeypatch)
 
 
 @needs_fused
+def test_foreach_ops_by_one_tensor_are_fused_with_the_formulas_bits(monkeypatch):
+    """The `.Tensor` forms of foreach mul, add and div take one tensor for every element:
+    `_foreach_add_(steps, one)` (the optimizer's step counts: 0-d tensors and a 0-d tensor)
+    is one list call, and so is a division of 0-d tensors; a 0-d tensor broadcast over
+    elements of other shapes goes element by element, fused all the same. Each the formula's
+    float32 bits, one site claimed, nothing logged, and the torch path's bits."""
+    listed = []
+    real = pointwise.run_list
+    monkeypatch.setattr(pointwise, "run_list", lambda *a: listed.append(1) or real(*a))
+    s, t1, _ = cancelling(29)
+    steps = [T(np.float32([k])).reshape(()) for k in (1, 7, 2**24 - 1)]
+    pieces = np.split(s[:378], [300, 301])
+    dividends = np.split(quotient_operands(29)[0][:378], [300, 301])  # (no tiny quotient)
+    by = np.float32(-0.3)
+    calls = {
+        "add_ steps": (lambda: _foreach_in_place("add", [x.clone() for x in steps],
+                                                 torch.tensor(1.0)),
+                       [np.float32([k]).reshape(()) + np.float32(1) for k in (1, 7, 2**24 - 1)],
+                       True),
+        "mul broadcast": (lambda: torch._foreach_mul([T(p.copy()) for p in pieces],
+                                                     T(np.array(by))),
+                          [reference(pointwise.MUL_SCALAR, p, None, None, float(by))
+                           for p in pieces], False),
+        "div_ 0-d": (lambda: _foreach_in_place("div", [T(p[:1].copy()).reshape(())
+                                                       for p in dividends], T(np.array(by))),
+                     [p[0] / by for p in dividends], True),  # (IEEE's float32 quotient)
+    }
+    for name, (call, wants, one_call) in calls.items():
+        outs = {}
+        for path in ("fused", "torch"):
+            rec, before = Exact(), len(listed)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(fused, "ENABLED", path == "fused")
+                with RoundingMode(POLICY, rec):
+                    outs[path] = call()
+            assert len(listed) - before == (path == "fused" and one_call), (name, path)
+            assert len(rec.claimed) == (path == "fused"), (name, path)
+            assert [site.numel for site in rec.sites] == [sum(w.size for w in wants)], name
+            assert not any(site.indices.size or site.value_indices.size for site in rec.sites)
+        for got, other, want in zip(outs["fused"], outs["torch"], wants, strict=True):
+            assert_bits(got, np.asarray(want, dtype=np.float32), name)
+            assert _same(got, other), name
+
+
+@needs_fused
 def test_the_list_call_declines_what_it_cannot_serve_and_the_bits_stay():
     """Lists the list call does not take go element by element (`pointwise.operands`): a
     broadcast operand (which that path still fuses), a strided element, a float64 one, an
