@@ -560,7 +560,8 @@ def _embedding_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
             grad.dtype == y.dtype == torch.float64 and fused.own_arithmetic(grad):
         factor, floor = ctx.sum_factors(k)
         e = torch.ops.ovt.embedding_backward_bound(
-            grad.reshape(-1, y.shape[-1]).contiguous(), indices.reshape(-1).to(torch.int64),
+            grad.reshape(-1, y.shape[-1]).contiguous(),
+            indices.reshape(-1).to(torch.int64).contiguous(),
             y.shape[0], _arg(args, kwargs, 3, "padding_idx", -1), factor, floor, _slack(ctx, k),
             _exact_limit(ctx))
         return [Affine(1.0, 0.0, e)]

@@ -5,9 +5,10 @@ Each computes what a sequence of torch ops computes — the same bits, checked b
 tests/protocol/engine/test_bandpass.py and test_pointwise.py — in one read of its input, on the
 CPU: `round_band`, a site's band pass (`bandpass`); `apply_entries`, the replayer's check and
 application of a result's log entries (`bandpass.apply_entries`); and `pointwise`, an
-elementwise op with e = 0 computed from float32 inputs to float32 results (`pointwise`). Nine
-more compute bound rules' own sums and extremes and the normalisation statistics, in their own
-order, not a torch sequence's bits (`own_arithmetic`). Where the extension is missing (no
+elementwise op with e = 0 computed from float32 inputs to float32 results (`pointwise`), and
+`pointwise_list`, its foreach form. Eleven more compute bound rules' own sums and extremes and
+the normalisation statistics, in their own order, not a torch sequence's bits
+(`own_arithmetic`). Where the extension is missing (no
 compiler when ovt was installed) ovt says so once, loudly, and uses the torch ops. The
 environment variable `OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py`
 does both).
@@ -56,9 +57,10 @@ def serves(t: torch.Tensor) -> bool:
 
 def own_arithmetic(t: torch.Tensor) -> bool:
     """Whether ovt's own C++ arithmetic runs on `t`: the library loaded, and `t` on the CPU.
-    That is the bound rules' sums (`torch.ops.ovt.sum_bound`, `norms`, `channel_sums`,
-    `window_norms`, `layer_norm_backward_bound`, `log_softmax_backward_bound`, `row_extremes`)
-    and the normalisation statistics (`row_stats`, `row_backward_sums`: `normops`). Not `ENABLED`'s
+    That is the bound rules' sums (`torch.ops.ovt.sum_bound`, `embedding_backward_bound`,
+    `norms`, `channel_sums`, `window_norms`, `layer_norm_backward_bound`,
+    `softmax_backward_bound`, `log_softmax_backward_bound`, `row_extremes`) and the
+    normalisation statistics (`row_stats`, `row_backward_sums`: `normops`). Not `ENABLED`'s
     switch: these have no torch twin giving the same bits (a bound's sums, and the statistics'
     sums, may run in any order: `bounds.SAFETY`, and the statistics' own rules), so both the
     fused and the torch-ops path use them, and give the same values and bounds, hence the

@@ -166,15 +166,17 @@ def foreach_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, round_s
                  ) -> ForeachCall | None:
     """A foreach op of this module as one list call (`ForeachCall`): what `operands` makes of it
     element by element, without a Python step per element. None where it is not one: not a
-    foreach op this module takes, keyword arguments, scalars held in a tensor (the `.Tensor`
+    foreach op this module takes, keyword arguments other than alpha 1 (the optimizer's
+    `_foreach_add_(steps, one, alpha=1.0)`), scalars held in a tensor (the `.Tensor`
     forms of addcmul and addcdiv), an empty list, or a number that `_element` refuses; then
     `operands` takes it. Whether the lists' tensors qualify is `list_serves`'s to say."""
     name, foreach, _ = family(func)
     overload = func._overloadname
-    if not foreach or kwargs or not takes(func) or not args[0] or \
+    if not foreach or (kwargs and kwargs != {"alpha": 1}) or not takes(func) or not args[0] or \
             (overload == "Tensor" and name in FIXED):
         return None
-    first = _element(name, tuple(a[0] if isinstance(a, (list, tuple)) else a for a in args), {})
+    first = _element(name, tuple(a[0] if isinstance(a, (list, tuple)) else a for a in args),
+                     kwargs)
     if first is None:
         return None
     count = len(args[0])

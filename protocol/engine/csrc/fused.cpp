@@ -1129,9 +1129,10 @@ at::Tensor sum_bound(const at::Tensor& x, int64_t a, int64_t b, int64_t c, bool 
 // those at padding_idx, which the op skips. Each element's bound is e = s·scale + floor, s its
 // Σ|g| (summed here in position order), but 0 where every order of its sum is exact: no terms
 // (every row no index names), all terms zero, or s·slack < limit·m, m the float32 ULP of its
-// smallest nonzero |term| — the last provided every element of grad is a float32 value. Only
-// the named rows are worked out; parallel over blocks of columns, each walking the positions in
-// order.
+// smallest nonzero |term| — the last provided every element of grad is a float32 value, the
+// padding positions' too (as the torch ops decide it, `_holds_target_values`: every party
+// decides alike). Only the named rows are worked out; parallel over blocks of columns, each
+// walking the positions in order.
 at::Tensor embedding_backward_bound(const at::Tensor& grad, const at::Tensor& indices,
                                     int64_t num_weights, int64_t padding_idx, double scale,
                                     double floor, double slack, double limit) {
@@ -1169,7 +1170,13 @@ at::Tensor embedding_backward_bound(const at::Tensor& grad, const at::Tensor& in
       int64_t ok = 1;
       for (int64_t p = 0; p < positions; ++p) {
         const int64_t w = ip[p];
-        if (w == padding_idx) continue;
+        if (w == padding_idx) {  // no terms, but read for the float32 check all the same
+          const double* row = gp + p * width;
+          for (int64_t c = c0; c < c1; ++c) {
+            ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(row[c])) == row[c]);
+          }
+          continue;
+        }
         const int64_t at = slot[static_cast<size_t>(w)] * width;
         ok &= column_terms(gp + p * width, smallest.data() + at, sums.data() + at, 1, width,
                            c0, c1, false);
@@ -1712,16 +1719,14 @@ OVT_CLONES void log_softmax_backward_row(const double* __restrict__ g, const dou
   for (; j < k; ++j) one(j);
 }
 
-// The bases of bounds.py `_log_softmax_backward` for rows of k elements of g and y
-// (contiguous float64, rows x k): exp_above(y_i)·coefficient + extra, times the row's
-// G = Σ |g_j| (interleaved lanes), plus |g_i|.
-at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
-                                      double coefficient, double extra) {
+// The bases of a softmax backward's rule for rows of k elements of g and y (contiguous float64,
+// rows x k), each row's by `row(g_i, y_i, k, out_i)`, in parallel over rows.
+template <typename Row>
+at::Tensor row_bases(const char* op, const at::Tensor& g, const at::Tensor& y, Row row) {
   TORCH_CHECK(g.dtype() == at::kDouble && y.dtype() == at::kDouble && g.is_contiguous() &&
                   y.is_contiguous() && g.device().is_cpu() && y.device().is_cpu() &&
                   g.dim() == 2 && g.sizes() == y.sizes(),
-              "log_softmax_backward_bound: g and y must be contiguous float64 CPU tensors, "
-              "rows x k");
+              op, ": g and y must be contiguous float64 CPU tensors, rows x k");
   const int64_t rows = g.size(0), k = g.size(1);
   at::Tensor base = at::empty({rows, k}, g.options());
   const double* gp = g.data_ptr<double>();
@@ -1729,14 +1734,21 @@ at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
   double* bp = base.data_ptr<double>();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(k, 1)),
                    [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      const double* gi = gp + i * k;
-      const double* yi = yp + i * k;
-      double* out = bp + i * k;
-      log_softmax_backward_row(gi, yi, k, coefficient, extra, magnitude_sum(gi, k), out);
-    }
+    for (int64_t i = r0; i < r1; ++i) row(gp + i * k, yp + i * k, k, bp + i * k);
   });
   return base;
+}
+
+// The bases of bounds.py `_log_softmax_backward` (`row_bases`): exp_above(y_i)·coefficient +
+// extra, times the row's G = Σ |g_j| (interleaved lanes), plus |g_i|.
+at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
+                                      double coefficient, double extra) {
+  return row_bases("log_softmax_backward_bound", g, y,
+                   [coefficient, extra](const double* gi, const double* yi, int64_t k,
+                                        double* out) {
+                     log_softmax_backward_row(gi, yi, k, coefficient, extra,
+                                              magnitude_sum(gi, k), out);
+                   });
 }
 
 // One row of `softmax_backward_bound`: P = Σ |g_j·y_j| (interleaved lanes), then each base.
@@ -1757,27 +1769,14 @@ OVT_CLONES void softmax_backward_row(const double* __restrict__ g, const double*
   }
 }
 
-// The bases of bounds.py `_softmax_backward` for rows of k elements of g and y (contiguous
-// float64, rows x k): |y_i|·(P·coefficient) + 3·|g_i·y_i|, P = Σ_j |g_j·y_j| of the row.
+// The bases of bounds.py `_softmax_backward` (`row_bases`): |y_i|·(P·coefficient) +
+// 3·|g_i·y_i|, P = Σ_j |g_j·y_j| of the row.
 at::Tensor softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
                                   double coefficient) {
-  TORCH_CHECK(g.dtype() == at::kDouble && y.dtype() == at::kDouble && g.is_contiguous() &&
-                  y.is_contiguous() && g.device().is_cpu() && y.device().is_cpu() &&
-                  g.dim() == 2 && g.sizes() == y.sizes(),
-              "softmax_backward_bound: g and y must be contiguous float64 CPU tensors, "
-              "rows x k");
-  const int64_t rows = g.size(0), k = g.size(1);
-  at::Tensor base = at::empty({rows, k}, g.options());
-  const double* gp = g.data_ptr<double>();
-  const double* yp = y.data_ptr<double>();
-  double* bp = base.data_ptr<double>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(k, 1)),
-                   [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      softmax_backward_row(gp + i * k, yp + i * k, k, coefficient, bp + i * k);
-    }
-  });
-  return base;
+  return row_bases("softmax_backward_bound", g, y,
+                   [coefficient](const double* gi, const double* yi, int64_t k, double* out) {
+                     softmax_backward_row(gi, yi, k, coefficient, out);
+                   });
 }
 
 // The bases of bounds.py `_layer_norm_backward` (read its docstring for the terms), for rows of

@@ -637,6 +637,51 @@ def test_embedding_backward_bounds_are_worked_out_on_the_named_rows_alone(paddin
     assert bool((got[25:] == 0).all()) and bool((got > 0).any()) and bool((got[:25] == 0).any())
 
 
+def _embedding_backward_bounds(grad: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                               padding_idx: int) -> torch.Tensor:
+    func = aten.embedding_dense_backward.default
+    args = (grad, indices, num_weights, padding_idx, False)
+    y = func(*args)
+    [bound] = bounds_for(BoundContext(PrecisionPolicy()), rule_of(func, args, {}), func, args, {},
+                         [y])
+    return dense_bound(bound, y).expand(y.shape)
+
+
+def test_embedding_backward_of_strided_indices(own_arithmetic):
+    """Indices that are a view with gaps (`emb(tokens[:, 0])`) give the bounds of their
+    contiguous copy, bit for bit (the C++ pass reads a contiguous copy); terms of wide
+    magnitudes, so that some sums keep a band."""
+    rng = np.random.default_rng(23)
+    tokens = torch.from_numpy(rng.integers(0, 9, (12, 2)))
+    grad = t64(f32(rng.standard_normal((12, 5)) * 10.0 ** rng.integers(-12, 12, (12, 5))))
+    got = _embedding_backward_bounds(grad, tokens[:, 0], 9, -1)
+    want = _embedding_backward_bounds(grad, tokens[:, 0].contiguous(), 9, -1)
+    assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+    assert bool((got > 0).any())
+
+
+def test_a_non_float32_gradient_at_a_padding_position_refuses_the_exact_rule(own_arithmetic):
+    """The exact-sum test stands on every gradient value being a float32 one (`_exact_where`),
+    and both paths read the padding positions' values for it, though the op adds none of them:
+    one NaN or one non-float32 value there leaves no named element with e = 0, where the same
+    gradient without it has some (every party decides alike)."""
+    rng = np.random.default_rng(29)
+    indices = torch.from_numpy(rng.integers(0, 4, (40,)))
+    indices[::5] = 3  # the padding row
+    grad = t64(np.ldexp(rng.integers(-64, 65, (40, 6)).astype(float), -20))  # few bits: exact
+    named = torch.zeros(6, dtype=torch.bool)
+    named[indices.unique()] = True
+    named[3] = False
+    clean = _embedding_backward_bounds(grad, indices, 6, 3)
+    assert bool((clean[named] == 0).any())
+    for bad in (math.nan, 1.0 + 2.0**-40):
+        dirty = grad.clone()
+        dirty[5, 2] = bad  # position 5's index is the padding row
+        assert int(indices[5]) == 3
+        e = _embedding_backward_bounds(dirty, indices, 6, 3)
+        assert not bool((e[named] == 0).any()), bad
+
+
 @pytest.mark.parametrize("kind", ["normal", "mixed", "cancel", "subnormal"])
 @pytest.mark.parametrize("alpha", [1.0, 2.0, float(f32(-0.3))])
 def test_index_add(kind, alpha):

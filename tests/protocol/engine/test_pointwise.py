@@ -338,8 +338,8 @@ def test_foreach_forms_are_one_site_and_the_formula(overload):
             assert len(rec.claimed) == (1 if path == "fused" else 0)
 
 
-def _foreach_in_place(op: str, xs: list[torch.Tensor], *rest) -> list[torch.Tensor]:
-    getattr(torch, f"_foreach_{op}_")(xs, *rest)
+def _foreach_in_place(op: str, xs: list[torch.Tensor], *rest, **keywords) -> list[torch.Tensor]:
+    getattr(torch, f"_foreach_{op}_")(xs, *rest, **keywords)
     return xs
 
 
@@ -434,10 +434,11 @@ def test_foreach_ops_are_one_list_call_with_the_formulas_bits(seed, monkeypatch)
 @needs_fused
 def test_foreach_ops_by_one_tensor_are_fused_with_the_formulas_bits(monkeypatch):
     """The `.Tensor` forms of foreach mul, add and div take one tensor for every element:
-    `_foreach_add_(steps, one)` (the optimizer's step counts: 0-d tensors and a 0-d tensor)
-    is one list call, and so is a division of 0-d tensors; a 0-d tensor broadcast over
-    elements of other shapes goes element by element, fused all the same. Each the formula's
-    float32 bits, one site claimed, nothing logged, and the torch path's bits."""
+    the optimizer's `_foreach_add_(steps, one, alpha=1.0)` (its step counts: 0-d tensors and a
+    0-d tensor; without alpha, torch reads the tensor as a number: the `.Scalar` form) is one
+    list call, and so is a division of 0-d tensors; a 0-d tensor broadcast over elements of
+    other shapes goes element by element, fused all the same. Each the formula's float32 bits,
+    one site claimed (of the form named), nothing logged, and the torch path's bits."""
     listed = []
     real = pointwise.run_list
     monkeypatch.setattr(pointwise, "run_list", lambda *a: listed.append(1) or real(*a))
@@ -446,11 +447,12 @@ def test_foreach_ops_by_one_tensor_are_fused_with_the_formulas_bits(monkeypatch)
     pieces = np.split(s[:378], [300, 301])
     dividends = np.split(quotient_operands(29)[0][:378], [300, 301])  # (no tiny quotient)
     by = np.float32(-0.3)
+    counted = [np.float32([k]).reshape(()) + np.float32(1) for k in (1, 7, 2**24 - 1)]
     calls = {
         "add_ steps": (lambda: _foreach_in_place("add", [x.clone() for x in steps],
-                                                 torch.tensor(1.0)),
-                       [np.float32([k]).reshape(()) + np.float32(1) for k in (1, 7, 2**24 - 1)],
-                       True),
+                                                 torch.tensor(1.0), alpha=1.0), counted, True),
+        "add_ steps by number": (lambda: _foreach_in_place("add", [x.clone() for x in steps],
+                                                           torch.tensor(1.0)), counted, True),
         "mul broadcast": (lambda: torch._foreach_mul([T(p.copy()) for p in pieces],
                                                      T(np.array(by))),
                           [reference(pointwise.MUL_SCALAR, p, None, None, float(by))
@@ -459,6 +461,9 @@ def test_foreach_ops_by_one_tensor_are_fused_with_the_formulas_bits(monkeypatch)
                                                        for p in dividends], T(np.array(by))),
                      [p[0] / by for p in dividends], True),  # (IEEE's float32 quotient)
     }
+    forms = {"add_ steps": "aten._foreach_add_.Tensor",
+             "add_ steps by number": "aten._foreach_add_.Scalar",
+             "mul broadcast": "aten._foreach_mul.Tensor", "div_ 0-d": "aten._foreach_div_.Tensor"}
     for name, (call, wants, one_call) in calls.items():
         outs = {}
         for path in ("fused", "torch"):
@@ -468,7 +473,8 @@ def test_foreach_ops_by_one_tensor_are_fused_with_the_formulas_bits(monkeypatch)
                 with RoundingMode(POLICY, rec):
                     outs[path] = call()
             assert len(listed) - before == (path == "fused" and one_call), (name, path)
-            assert len(rec.claimed) == (path == "fused"), (name, path)
+            assert [op for op, _ in rec.claimed] == ([forms[name]] if path == "fused" else []), \
+                (name, path)
             assert [site.numel for site in rec.sites] == [sum(w.size for w in wants)], name
             assert not any(site.indices.size or site.value_indices.size for site in rec.sites)
         for got, other, want in zip(outs["fused"], outs["torch"], wants, strict=True):
