@@ -234,28 +234,31 @@ class SiteRecorder(_RoundingPaths):
         if pending:
             # on the CPU: a step's sites may live on several devices (a CPU-made schedule in a
             # CUDA step); the candidates are few, and these ops are exact on any device
-            site = torch.cat([torch.full((c[1].numel(),), c[0], dtype=torch.int64)
-                              for c in pending])
+            site = np.repeat(np.array([c[0] for c in pending], dtype=np.int64),
+                             [c[1].numel() for c in pending])
             pos = torch.cat([c[1].cpu() for c in pending])
             yv = torch.cat([c[2].cpu() for c in pending])
             rv = yv.to(self.policy.target)
             ev = torch.cat([c[3].cpu() for c in pending])
             # a NaN or infinite result is no choice; one near the overflow threshold is
             keep = torch.isfinite(yv) & (boundary_distance(yv, rv, self.policy) <= 2 * ev)
-            site_np = site.numpy()[keep.numpy()]
+            site = site[keep.numpy()]
             pos, yv, rv, ev = pos[keep], yv[keep], rv[keep], ev[keep]
             wide = (WIDE * ev >= target_ulp(rv, self.policy)).numpy()
-            pos_np = pos.numpy()
-            up = rounded_up(yv, rv).numpy()
-            values = _value_bits(rv, self.policy)
-            # the candidates came in site order, each site's in increasing position
-            bounds = np.searchsorted(site_np, np.arange(first, len(self._numels) + 1))
+            narrow = ~wide
+            directions = (pos.numpy()[narrow], rounded_up(yv, rv).numpy()[narrow])
+            values = (pos.numpy()[wide], _value_bits(rv, self.policy)[wide])
+            # the candidates came in site order, each site's in increasing position: each
+            # site's entries are a slice of these (one split, not a selection per site)
+            sites = np.arange(first, len(self._numels) + 1)
+            cut_d = np.searchsorted(site[narrow], sites).tolist()
+            cut_v = np.searchsorted(site[wide], sites).tolist()
             for k in range(first, len(self._numels)):
-                lo, hi = bounds[k - first], bounds[k - first + 1]
-                if lo < hi:
-                    narrow = ~wide[lo:hi]
-                    groups[k] = (pos_np[lo:hi][narrow], up[lo:hi][narrow],
-                                 pos_np[lo:hi][~narrow], values[lo:hi][~narrow])
+                d0, d1 = cut_d[k - first], cut_d[k - first + 1]
+                v0, v1 = cut_v[k - first], cut_v[k - first + 1]
+                if d0 < d1 or v0 < v1:
+                    groups[k] = (directions[0][d0:d1], directions[1][d0:d1],
+                                 values[0][v0:v1], values[1][v0:v1])
         for k in range(first, len(self._numels)):
             self._sites.append(SiteLog(self._numels[k], *groups[k]) if k in groups else
                                SiteLog(self._numels[k], _EMPTY_INDEX, _EMPTY_UP))
