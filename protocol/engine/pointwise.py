@@ -184,11 +184,10 @@ def foreach_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict, round_s
     if numbers is None:
         v = [_scalar(first, round_scalar)] * count
     else:
-        if len(numbers) != count or not all(_number(x) for x in numbers) or (
-                first.code == DIV_SCALAR and not all(
-                    isinstance(x, float) or holds_integer(torch.float32, x) for x in numbers)):
+        taken = _divisor if first.code == DIV_SCALAR else _number
+        if len(numbers) != count or not all(taken(x) for x in numbers):
             return None
-        v = [round_scalar(x) if isinstance(x, float) else float(x) for x in numbers]
+        v = [_rounded(x, round_scalar) for x in numbers]
     b = [] if first.b is None else [args[1]] * count if overload == "Tensor" else list(args[1])
     return ForeachCall(first.code, list(args[0]), b, list(args[2]) if first.c is not None else [],
                        v)
@@ -219,6 +218,13 @@ def _number(value) -> TypeGuard[float | int]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _divisor(value) -> TypeGuard[float | int]:
+    """A number the fused pass divides by: an integer divisor that is no float32 value takes
+    the bounded path."""
+    return _number(value) and not (isinstance(value, int) and
+                                   not holds_integer(torch.float32, value))
+
+
 def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
     a = args[0]
     if not isinstance(a, torch.Tensor):
@@ -229,9 +235,8 @@ def _element(name: str, args: tuple, kwargs: dict) -> Elementwise | None:
         other = args[1] if len(args) > 1 else kwargs.get("other")
         if isinstance(other, torch.Tensor):
             return Elementwise(DIV, a, other, None, 0.0)
-        if not _number(other) or (isinstance(other, int) and
-                                  not holds_integer(torch.float32, other)):
-            return None  # (an integer divisor that is no float32 value: the bounded path)
+        if not _divisor(other):
+            return None
         return Elementwise(DIV_SCALAR, a, None, None, other)
     if name in ("mul", "add", "sub"):
         other = args[1] if len(args) > 1 else kwargs.get("other")
@@ -385,9 +390,14 @@ def small_quotients(calls: list[FusedCall], round_scalar) -> bool:
 
 
 def _scalar(e: Elementwise, round_scalar) -> float:
-    """The number an element's op uses: a Python float rounded to the target dtype first
-    (SPEC §3.3), as the widened path does; an exact value or an integer as it is."""
-    return round_scalar(e.v) if isinstance(e.v, float) and not e.exact else float(e.v)
+    """The number an element's op uses: `_rounded`, or an exact value as it is."""
+    return float(e.v) if e.exact else _rounded(e.v, round_scalar)
+
+
+def _rounded(value: float | int, round_scalar) -> float:
+    """A Python float rounded to the target dtype first (SPEC §3.3), as the widened path does;
+    an integer as it is."""
+    return round_scalar(value) if isinstance(value, float) else float(value)
 
 
 def run_fused(calls: list[FusedCall], in_place: bool, round_scalar) -> list[torch.Tensor]:

@@ -244,29 +244,34 @@ void scan(const Spec& s, const double* y, float* r, int64_t begin, int64_t end,
   }
 }
 
+// Whether v is a float32 value, as 0 or 1 (so that a conjunction over a loop vectorises).
+__attribute__((always_inline)) inline int64_t holds_float32(double v) {
+  return static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+}
+
+// |v|'s bits, which order like the magnitudes, and +inf's for a zero: the smallest key of a
+// set of terms is its smallest nonzero magnitude (+inf where all are zero).
+__attribute__((always_inline)) inline int64_t nonzero_key(double v) {
+  const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
+  return magnitude == 0 ? kInfBits : magnitude;
+}
+
 // Columns [i0, i1) of one (reduced, inner) block of `sum_terms`: each column's smallest nonzero
-// magnitude (as bits) into m and its Σ|x| into sums (in row order), starting afresh where
-// `reset`, else from what m and sums hold (`embedding_backward_bound`); returns whether every
-// element read is a float32 value.
+// magnitude (`nonzero_key`) into m and its Σ|x| into sums (in row order), both taken further
+// from what the caller put there (+inf's bits and 0 to start); returns whether every element
+// read is a float32 value.
 OVT_CLONES
 int64_t column_terms(const double* x, int64_t* m, double* sums, int64_t reduced, int64_t inner,
-                     int64_t i0, int64_t i1, bool reset) {
+                     int64_t i0, int64_t i1) {
   int64_t ok = 1;
-  if (reset) {
-    for (int64_t i = i0; i < i1; ++i) {
-      m[i] = kInfBits;
-      sums[i] = 0.0;
-    }
-  }
   for (int64_t r = 0; r < reduced; ++r) {
     const double* row = x + r * inner;
     for (int64_t i = i0; i < i1; ++i) {
       const double v = row[i];
-      const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
-      const int64_t key = magnitude == 0 ? kInfBits : magnitude;
+      const int64_t key = nonzero_key(v);
       m[i] = key < m[i] ? key : m[i];
-      sums[i] += __builtin_bit_cast(double, magnitude);
-      ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+      sums[i] += std::fabs(v);
+      ok &= holds_float32(v);
     }
   }
   return ok;
@@ -384,6 +389,14 @@ void pointwise_broadcast(int64_t op, const float* a, const float* b, float* out,
   });
 }
 
+// Whether op reads a tensor b, and a tensor c.
+bool has_b(int64_t op) {
+  return op != kMulScalar && op != kAddScalar && op != kSubScalar && op != kSqrt &&
+         op != kDivScalar;
+}
+
+bool has_c(int64_t op) { return op == kAddcmul || op == kAddcdiv; }
+
 void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                const c10::optional<at::Tensor>& c, double v, const at::Tensor& out,
                int64_t b_inner, int64_t b_count) {
@@ -402,9 +415,8 @@ void pointwise(int64_t op, const at::Tensor& a, const c10::optional<at::Tensor>&
     pointwise_broadcast(op, ap, operand(b, b_count, "b", true), outp, n, b_inner, b_count);
     return;
   }
-  const float* bp = operand(b, n, "b", op != kMulScalar && op != kAddScalar &&
-                                          op != kSubScalar && op != kSqrt && op != kDivScalar);
-  const float* cp = operand(c, n, "c", op == kAddcmul || op == kAddcdiv);
+  const float* bp = operand(b, n, "b", has_b(op));
+  const float* cp = operand(c, n, "c", has_c(op));
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     pointwise_range(op, ap, bp, cp, v, outp, begin, end);
   });
@@ -438,13 +450,6 @@ bool small_quotients(const at::Tensor& a, const c10::optional<at::Tensor>& b, do
 // The foreach form of `pointwise` (pointwise.py `ForeachCall`): list element i is
 // pointwise(op, a[i], b[i], c[i], v[i]) into out[i], each operand of a[i]'s shape (no
 // broadcast); b and c empty where the op has no such operand.
-bool has_b(int64_t op) {
-  return op != kMulScalar && op != kAddScalar && op != kSubScalar && op != kSqrt &&
-         op != kDivScalar;
-}
-
-bool has_c(int64_t op) { return op == kAddcmul || op == kAddcdiv; }
-
 void check_lists(const char* name, int64_t op, at::TensorList a, at::TensorList b,
                  at::TensorList c, at::ArrayRef<double> v) {
   TORCH_CHECK(op >= kMulScalar && op <= kDiv, name, ": unknown op ", op);
@@ -1008,49 +1013,64 @@ __attribute__((always_inline)) inline Lanes abs_lanes(Lanes x) {
 
 __attribute__((always_inline)) inline double sum_lanes(Lanes x) { return (x[0] + x[1]) + (x[2] + x[3]); }
 
+// Σ_j term_j for j < n in float64, the order every sum here keeps: positions j into lane j % 8
+// (two sets of four), the lanes added up in order, then the last n % 8 terms in order.
+// `lanes(j)` gives terms j .. j + 3, `one(j)` term j.
+template <typename LaneTerms, typename Term>
+__attribute__((always_inline)) inline double lane_sum(int64_t n, LaneTerms lanes, Term one) {
+  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
+  Lanes s0 = zero, s1 = zero;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
+    s0 += lanes(j);
+    s1 += lanes(j + kWidth);
+  }
+  double total = sum_lanes(s0) + sum_lanes(s1);
+  for (; j < n; ++j) total += one(j);
+  return total;
+}
+
+// Σ |x_j| for j < n in float64 (`lane_sum`).
+template <typename T>
+OVT_CLONES double magnitude_sum(const T* __restrict__ x, int64_t n) {
+  return lane_sum(n, [x](int64_t j) { return abs_lanes(load_lanes(x + j)); },
+                  [x](int64_t j) { return std::fabs(static_cast<double>(x[j])); });
+}
+
 // Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
-// into m and its Σ|x| into sums, and whether every element read is a float32 value. Σ|x| in
-// lanes: positions r into lane r % 8, the lanes added up in order, then the last r % 8
-// elements in order; read a block at a time (a multiple of 8 elements), for the sum and then,
-// from the cache, the minimum.
+// into m and its Σ|x| into sums, and whether every element read is a float32 value. A block at
+// a time: its Σ|x| (`magnitude_sum`, the blocks' sums added in order), then, from the cache,
+// its minimum.
 OVT_CLONES
 int64_t row_terms(const double* x, int64_t* m, double* sums, int64_t reduced, int64_t o0,
                   int64_t o1) {
   constexpr int64_t kBlock = 2048;
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
   int64_t ok = 1;
   for (int64_t o = o0; o < o1; ++o) {
     const double* row = x + o * reduced;
-    Lanes a0 = zero, a1 = zero;
-    double tail = 0.0;
+    double total = 0.0;
     int64_t best = kInfBits;
     for (int64_t start = 0; start < reduced; start += kBlock) {
       const int64_t stop = std::min(reduced, start + kBlock);
-      int64_t r = start;
-      for (; r + 2 * kWidth <= stop; r += 2 * kWidth) {
-        a0 += abs_lanes(load_lanes(row + r));
-        a1 += abs_lanes(load_lanes(row + r + kWidth));
-      }
-      for (; r < stop; ++r) tail += std::fabs(row[r]);  // (in the last block only)
-      for (r = start; r < stop; ++r) {
-        const double v = row[r];
-        const int64_t magnitude = __builtin_bit_cast(int64_t, v) & kAbsMask;
-        const int64_t key = magnitude == 0 ? kInfBits : magnitude;
+      total += magnitude_sum(row + start, stop - start);
+      for (int64_t r = start; r < stop; ++r) {
+        const int64_t key = nonzero_key(row[r]);
         best = key < best ? key : best;
-        ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(v)) == v);
+        ok &= holds_float32(row[r]);
       }
     }
     m[o] = best;
-    sums[o] = (sum_lanes(a0) + sum_lanes(a1)) + tail;
+    sums[o] = total;
   }
   return ok;
 }
 
 // Each (outer, inner) column's smallest nonzero |x| over `reduced`, as bits, into m (+inf where
 // all are zero), and its Σ|x| into sums, for x viewed as (outer, reduced, inner); and whether
-// every element of x is a float32 value. A minimum and a conjunction are order-free (magnitudes
-// compare as their bit patterns, which order like the values); each sum runs in one fixed
-// order, whatever the thread count (`row_terms`; `column_terms`: in row order).
+// every element of x is a float32 value; where inner > 1, m and sums hold +inf's bits and 0 to
+// start with (`column_terms` takes them further). A minimum and a conjunction are order-free
+// (`nonzero_key`); each sum runs in one fixed order, whatever the thread count (`row_terms`;
+// `column_terms`: in row order).
 bool sum_terms(const double* xp, int64_t* mp, double* sp, int64_t outer, int64_t reduced,
                int64_t inner) {
   if (inner == 1) {  // a reduction along contiguous rows
@@ -1075,7 +1095,7 @@ bool sum_terms(const double* xp, int64_t* mp, double* sp, int64_t outer, int64_t
       const int64_t o = item / blocks, i0 = (item % blocks) * width;
       const int64_t i1 = std::min(inner, i0 + width);
       exact[static_cast<size_t>(item)] = column_terms(
-          xp + o * reduced * inner, mp + o * inner, sp + o * inner, reduced, inner, i0, i1, true);
+          xp + o * reduced * inner, mp + o * inner, sp + o * inner, reduced, inner, i0, i1);
     }
   });
   return std::all_of(exact.begin(), exact.end(), [](int64_t ok) { return ok; });
@@ -1172,14 +1192,12 @@ at::Tensor embedding_backward_bound(const at::Tensor& grad, const at::Tensor& in
         const int64_t w = ip[p];
         if (w == padding_idx) {  // no terms, but read for the float32 check all the same
           const double* row = gp + p * width;
-          for (int64_t c = c0; c < c1; ++c) {
-            ok &= static_cast<int64_t>(static_cast<double>(static_cast<float>(row[c])) == row[c]);
-          }
+          for (int64_t c = c0; c < c1; ++c) ok &= holds_float32(row[c]);
           continue;
         }
         const int64_t at = slot[static_cast<size_t>(w)] * width;
         ok &= column_terms(gp + p * width, smallest.data() + at, sums.data() + at, 1, width,
-                           c0, c1, false);
+                           c0, c1);
       }
       exact[static_cast<size_t>(item)] = ok;
     }
@@ -1390,21 +1408,6 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
   return out;
 }
 
-// Σ |x_j| for j < n in float64, in interleaved lanes (`channel_run`).
-template <typename T>
-OVT_CLONES double magnitude_sum(const T* __restrict__ x, int64_t n) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes a0 = zero, a1 = zero;
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    a0 += abs_lanes(load_lanes(x + j));
-    a1 += abs_lanes(load_lanes(x + j + kWidth));
-  }
-  double total = sum_lanes(a0) + sum_lanes(a1);
-  for (; j < n; ++j) total += std::fabs(static_cast<double>(x[j]));
-  return total;
-}
-
 // The normalisation statistics (normops.py `norm_stats`, `norm_backward_stats`; SPEC §3.2.1):
 // their own summation order, not torch's (the ops' rules hold for any order of their sums), on
 // x viewed as (A, B, C), each of the B rows reduced over A and C — a layer norm's rows (A = 1)
@@ -1418,34 +1421,21 @@ OVT_CLONES double magnitude_sum(const T* __restrict__ x, int64_t n) {
 // on its own: -ffp-contract=off).
 template <typename T>
 OVT_CLONES double run_sum(const T* __restrict__ x, int64_t n) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes s0 = zero, s1 = zero;
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    s0 += load_lanes(x + j);
-    s1 += load_lanes(x + j + kWidth);
-  }
-  double total = sum_lanes(s0) + sum_lanes(s1);
-  for (; j < n; ++j) total += static_cast<double>(x[j]);
-  return total;
+  return lane_sum(n, [x](int64_t j) { return load_lanes(x + j); },
+                  [x](int64_t j) { return static_cast<double>(x[j]); });
 }
 
 template <typename T>
 OVT_CLONES double run_deviation_squares(const T* __restrict__ x, double mean, int64_t n) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes s0 = zero, s1 = zero;
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= n; j += 2 * kWidth) {
-    const Lanes d0 = load_lanes(x + j) - mean, d1 = load_lanes(x + j + kWidth) - mean;
-    s0 += d0 * d0;
-    s1 += d1 * d1;
-  }
-  double total = sum_lanes(s0) + sum_lanes(s1);
-  for (; j < n; ++j) {
-    const double d = static_cast<double>(x[j]) - mean;
-    total += d * d;
-  }
-  return total;
+  return lane_sum(n,
+                  [x, mean](int64_t j) {
+                    const Lanes d = load_lanes(x + j) - mean;
+                    return d * d;
+                  },
+                  [x, mean](int64_t j) {
+                    const double d = static_cast<double>(x[j]) - mean;
+                    return d * d;
+                  });
 }
 
 // Σ g_j and Σ (x_j − mean)·g_j for j < n, into out[0] and out[1].
@@ -1751,18 +1741,12 @@ at::Tensor log_softmax_backward_bound(const at::Tensor& g, const at::Tensor& y,
                    });
 }
 
-// One row of `softmax_backward_bound`: P = Σ |g_j·y_j| (interleaved lanes), then each base.
+// One row of `softmax_backward_bound`: P = Σ |g_j·y_j| (`lane_sum`), then each base.
 OVT_CLONES void softmax_backward_row(const double* __restrict__ g, const double* __restrict__ y,
                                      int64_t k, double coefficient, double* __restrict__ out) {
-  const Lanes zero = {0.0, 0.0, 0.0, 0.0};
-  Lanes a0 = zero, a1 = zero;
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= k; j += 2 * kWidth) {
-    a0 += abs_lanes(load_lanes(g + j) * load_lanes(y + j));
-    a1 += abs_lanes(load_lanes(g + j + kWidth) * load_lanes(y + j + kWidth));
-  }
-  double total = sum_lanes(a0) + sum_lanes(a1);
-  for (; j < k; ++j) total += std::fabs(g[j] * y[j]);
+  const double total =
+      lane_sum(k, [g, y](int64_t j) { return abs_lanes(load_lanes(g + j) * load_lanes(y + j)); },
+               [g, y](int64_t j) { return std::fabs(g[j] * y[j]); });
   const double factor = total * coefficient;
   for (int64_t i = 0; i < k; ++i) {
     out[i] = std::fabs(y[i]) * factor + 3.0 * std::fabs(g[i] * y[i]);
