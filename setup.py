@@ -67,6 +67,8 @@ setup(
         # root is the IEEE instruction, vectorised (no errno: a negative input gives NaN)
         extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
                             *OPENMP],
+        # dladdr (the OWN_STANDARD_LIBRARY check) is in libdl before glibc 2.34
+        libraries=["dl"] if sys.platform.startswith("linux") else [],
         extra_link_args=OPENMP)],
     cmdclass={"build_ext": OptionalBuildExtension},
 )

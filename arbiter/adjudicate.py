@@ -83,6 +83,13 @@ class Adjudication:
     evidence: Evidence | None  # None when the game ended without a disputed step or evidence
 
 
+def default_profile() -> Profile:
+    """The profile the arbiter re-executes under unless told otherwise: `cuda` where a CUDA
+    device exists (SPEC §5.4: the arbiter re-executes on a GPU where there is one), else
+    `cpu-2t`."""
+    return Profile.parse("cuda" if torch.cuda.is_available() else "cpu-2t")
+
+
 def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Party, *,
                key: KeyPair, profile: Profile, trainer_key: bytes | None = None,
                auditor_key: bytes | None = None, deadline_s: float = DEFAULT_DEADLINE_S,

@@ -44,7 +44,12 @@ from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS, require_model_size
 from protocol.job.spec import JobSpec
 
-from .adjudicate import DEFAULT_DEADLINE_S, DEFAULT_EVIDENCE_TIMEOUT_S, adjudicate
+from .adjudicate import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_EVIDENCE_TIMEOUT_S,
+    adjudicate,
+    default_profile,
+)
 from .demo import add_demo_command
 from .parties import RemoteParty
 
@@ -137,17 +142,17 @@ def _tls_options(parser: argparse.ArgumentParser) -> None:
 
 
 def profile_of(args) -> Profile:
-    """The re-execution profile: --profile, else cuda when there is one, else cpu-2t."""
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """The re-execution profile: --profile (on --device where given), else cpu-2t or cuda as
+    --device says, else `default_profile()`."""
     if args.profile is not None:
         profile = Profile.parse(args.profile)
         if args.device is not None and profile.device != args.device:
-            profile = dataclasses.replace(profile, name=f"{profile.name}+device={device}",
-                                          device=device)
+            profile = dataclasses.replace(profile, name=f"{profile.name}+device={args.device}",
+                                          device=args.device)
+    elif args.device is not None:
+        profile = Profile.parse("cuda" if args.device == "cuda" else "cpu-2t")
     else:
-        profile = Profile.parse("cuda" if device == "cuda" else "cpu-2t")
+        profile = default_profile()
     profile.check_runnable()
     return profile
 

@@ -7,8 +7,9 @@
 3. Submit the same job to both trainers; the honest trainer's audit matches bit for bit.
 4. The cheating trainer's audit diverges and the auditor files a challenge; the arbiter plays
    the bisection game against the cheating trainer and its auditor, re-executes the disputed
-   step, writes a signed verdict and re-checks it offline, and the verdict must name the
-   cheating trainer and the step the fault was injected at.
+   step (on CUDA where there is a device, else cpu-2t; `--arbiter-profile`), writes a signed
+   verdict and re-checks it offline, and the verdict must name the cheating trainer and the
+   step the fault was injected at.
 
 Exit code 0 only if all of that happened as described. Every process it starts is stopped on
 the way out, also on Ctrl-C; `--workdir` keeps the stores, logs and the verdict for a look.
@@ -40,7 +41,7 @@ from protocol.files import atomic_write
 from protocol.job.create import create_job
 from protocol.job.faults import TRAINING_KINDS, parse_fault
 
-from .adjudicate import adjudicate
+from .adjudicate import adjudicate, default_profile
 from .parties import RemoteParty
 
 DEFAULT_JOB = Path(__file__).resolve().parent.parent / "jobs" / "default.toml"
@@ -64,6 +65,9 @@ def add_demo_command(sub) -> None:
                       help="both trainers' hardware profile (default: %(default)s)")
     demo.add_argument("--auditor-profile", default="emulated-gpu",
                       help="the auditors' hardware profile (default: %(default)s)")
+    demo.add_argument("--arbiter-profile", default=None,
+                      help="the arbiter's re-execution profile (default: cuda where there is "
+                           "a CUDA device, else cpu-2t)")
     demo.add_argument("--trainer-workers", type=int, default=1, metavar="W",
                       help="processes each trainer computes a step's micro-batches on "
                            "(`ovt-trainer serve --train-workers`; the job needs at least W "
@@ -77,6 +81,9 @@ def add_demo_command(sub) -> None:
 def run_demo(args) -> int:
     for text in (args.trainer_profile, args.auditor_profile):
         Profile.parse(text).check_runnable()
+    args.arbiter = default_profile() if args.arbiter_profile is None else \
+        Profile.parse(args.arbiter_profile)
+    args.arbiter.check_runnable()
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
         return _demo(args, args.workdir)
@@ -149,7 +156,7 @@ def _story(args, work: Path) -> int:
             result = adjudicate(
                 spec, challenge, RemoteParty("trainer", channels[cheater], spec),
                 RemoteParty("auditor", channels[audit_c], spec), key=KeyPair.generate(),
-                profile=Profile.parse("cpu-2t"), events=lambda text: _say(f"  {text}"))
+                profile=args.arbiter, events=lambda text: _say(f"  {text}"))
     verdict_path = work / "verdict.ovtv"
     atomic_write(verdict_path, result.verdict.to_bytes())
     verdict = verify_verdict(verdict_path.read_bytes())

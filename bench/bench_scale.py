@@ -6,7 +6,7 @@ layers) and runs them interleaved, one step of each per step index, so that othe
 shared machine slows them alike (`--low-memory`: the ovt roles first, then the plain ones, so
 only one phase's executors are held; at gpt2-small-2l all five roles together peak near 19 GB):
 
-    record             ovt trainer on cpu-<threads>t: records L_t        (mode "ovt", no log)
+    record             ovt trainer on cpu-<threads>t (or cuda): records L_t   (mode "ovt")
     replay:<profile>   ovt auditor replaying L_t under each replay profile (default
                        emulated-gpu and adversary, the bound adversary; one not defined here
                        is reported and skipped)
@@ -32,6 +32,11 @@ step 1 (a replay with L_1), each reading its peak when its step is done.
     python bench/bench_scale.py                      # gpt2-small-2l, 10 steps (minutes)
     python bench/bench_scale.py --full --steps 3 --low-memory   # the 12-layer model
     python bench/bench_scale.py --preset test --steps 2   # quick smoke run (seconds)
+    python bench/bench_scale.py --device cuda --replay-profiles cuda,threads=8   # on a GPU
+
+With `--device cuda` the record and plain roles run under the `cuda` profile (TF32,
+reduced-precision reductions and cuDNN pinned off), and `--memory` reports each role's peak of
+CUDA memory allocated (`torch.cuda.max_memory_allocated`) next to its resident set.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from protocol.engine import allocator
 from protocol.engine.bounds import dense_bound
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
-from protocol.engine.profiles import Profile
+from protocol.engine.profiles import Profile, plain_profile
 from protocol.engine.programs import token_lm
 from protocol.engine.programs.registry import load_program, parameter_count
 from protocol.engine.rounding import SiteRecorder
@@ -113,6 +118,8 @@ class OldBandCounter:
         self.inner.round_site_in_parts(op, numel, (counted(parts) for parts in results))
 
     def _count(self, y: torch.Tensor, bound) -> None:
+        if y.is_cuda:  # the op that made y finishes here, on the step's clock, not the count's
+            torch.cuda.synchronize(y.device)
         start = time.perf_counter()
         idx = band_indices(y.detach().reshape(-1), self.policy, self.tau)
         self.any_op += idx.numel()
@@ -185,6 +192,7 @@ class Run:
     rss_live_setup_mib: float = 0.0
     rss_peak_mib: float = 0.0
     rss_per_role_mib: dict[str, float] = field(default_factory=dict)
+    cuda_per_role_mib: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for role in self.roles:
@@ -360,6 +368,7 @@ def summarize(r: Run, replays: list[str]) -> dict:
         "rss_live_setup_mib": r.rss_live_setup_mib,
         "rss_peak_mib": r.rss_peak_mib,
         "rss_per_role_mib": r.rss_per_role_mib,
+        "cuda_per_role_mib": r.cuda_per_role_mib,
         "final_loss": {role: r.losses[role][-1] if r.losses[role] else None
                        for role in r.roles},
     }
@@ -379,16 +388,20 @@ def summarize(r: Run, replays: list[str]) -> dict:
 
 # --- per-role peak memory, one subprocess per role -----------------------------------------
 
-def memory_per_role(args, roles: list[str], s0: dict, log: RoundingLog | None) -> dict:
+def memory_per_role(args, roles: list[str], s0: dict, log: RoundingLog | None
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each role's peak resident set (MiB), and its peak of CUDA memory allocated where its
+    profile runs on CUDA, each measured in its own subprocess."""
     with tempfile.TemporaryDirectory(prefix="ovt-bench-scale-") as tmp:
         s0_path, log_path = Path(tmp) / "s0.ovts", Path(tmp) / "l1.ovtl"
         s0_path.write_bytes(encode_state(s0))
         if log is not None:
             log_path.write_bytes(encode_log(log))
-        peaks = {}
+        peaks, cuda_peaks = {}, {}
         for role in roles:
             cmd = [sys.executable, __file__, "--_memory-probe", role, "--preset", args.preset,
-                   "--threads", str(args.threads), "--policy", args.policy, "--seed",
+                   "--threads", str(args.threads), "--device", args.device,
+                   "--policy", args.policy, "--seed",
                    str(args.seed), "--_s0", str(s0_path), "--_log", str(log_path),
                    *(["--malloc-defaults"] if args.malloc_defaults else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -397,16 +410,20 @@ def memory_per_role(args, roles: list[str], s0: dict, log: RoundingLog | None) -
                 print(f"warning: memory probe for {role} failed: {proc.stderr.strip()[-500:]}",
                       file=sys.stderr)
                 continue
-            peaks[role] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_mib"]
-    return peaks
+            probe = json.loads(proc.stdout.strip().splitlines()[-1])
+            peaks[role] = probe["peak_mib"]
+            if probe["cuda_peak_mib"] is not None:
+                cuda_peaks[role] = probe["cuda_peak_mib"]
+    return peaks, cuda_peaks
 
 
 def memory_probe(args) -> int:
-    """One role, one step from S_0 in this fresh process; print its peak RSS as JSON."""
+    """One role, one step from S_0 in this fresh process; print its peak RSS (and its peak of
+    CUDA memory allocated, null off CUDA) as JSON."""
     role = args._memory_probe
     policy = PrecisionPolicy.parse(args.policy)
     profile = Profile.parse(role.removeprefix("replay:")) if role.startswith("replay:") \
-        else Profile(f"cpu-{args.threads}t", threads=args.threads)
+        else plain_profile(args.device, args.threads)
     torch.set_num_threads(args.threads)
     ex = build(args.preset, role, profile, policy, args.seed)
     ex.load_state(state_in(decode_state(Path(args._s0).read_bytes()), ex.dtype))
@@ -414,7 +431,11 @@ def memory_probe(args) -> int:
         ex.step(decode_log(Path(args._log).read_bytes()))
     else:
         ex.step()
-    print(json.dumps({"role": role, "peak_mib": _rss_mib()}))
+    on_cuda = profile.device.startswith("cuda")
+    if on_cuda:
+        torch.cuda.synchronize(profile.device)
+    cuda_peak = torch.cuda.max_memory_allocated(profile.device) / 2**20 if on_cuda else None
+    print(json.dumps({"role": role, "peak_mib": _rss_mib(), "cuda_peak_mib": cuda_peak}))
     return 0
 
 
@@ -475,7 +496,9 @@ def print_report(s: dict, meta: dict) -> None:
           f"{s['rss_live_setup_mib']:,.0f} MiB resident once the executors and S_0 were built "
           f"(peak by then {s['rss_setup_mib']:,.0f} MiB, S_0's portable init included)")
     for role, mib in s["rss_per_role_mib"].items():
-        print(f"  {role:<22} {mib:10,.0f} MiB  (own process, step 1 alone)")
+        cuda = s["cuda_per_role_mib"].get(role)
+        on_cuda = f", CUDA peak {cuda:,.0f} MiB allocated" if cuda is not None else ""
+        print(f"  {role:<22} {mib:10,.0f} MiB  (own process, step 1 alone{on_cuda})")
 
 
 def main(argv=None) -> int:
@@ -486,7 +509,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="recorded steps (default 10)")
     p.add_argument("--warmup", type=int, default=1,
                    help="first steps left out of the medians (still replayed and checked)")
-    p.add_argument("--threads", type=int, default=2, help="record profile cpu-<N>t (default 2)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="intra-op threads; on the CPU the record profile is cpu-<N>t (default 2)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="device of the record and plain roles (default cpu: profile "
+                        "cpu-<threads>t; cuda: profile cuda)")
     p.add_argument("--replay-profiles", default=",".join(DEFAULT_REPLAYS),
                    help=f"comma-separated (default {','.join(DEFAULT_REPLAYS)})")
     p.add_argument("--policy", default="float64->float32")
@@ -517,7 +544,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     policy = PrecisionPolicy.parse(args.policy)
-    profile = Profile(f"cpu-{args.threads}t", threads=args.threads)
+    profile = plain_profile(args.device, args.threads)
+    try:
+        profile.check_runnable()
+    except OvtError as err:
+        p.error(str(err))
     names = [n.strip() for n in args.replay_profiles.split(",") if n.strip()]
     replays, skipped = replay_profiles(names)
     for name, why in skipped.items():
@@ -540,7 +571,8 @@ def main(argv=None) -> int:
         "profile": profile.describe(), "replay_profiles": names, "policy": policy.name,
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus" + (
+            f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
         "malloc": allocator.describe(kept),
         "loadavg_start": os.getloadavg()[0],
     }
@@ -548,7 +580,8 @@ def main(argv=None) -> int:
     result, s0, first_log = run(args.preset, args.steps, args.warmup, args.seed, args.init_seed,
                                 policy, profile, replays, skipped, args.low_memory, progress)
     if args.memory:
-        result.rss_per_role_mib = memory_per_role(args, result.roles, s0, first_log)
+        result.rss_per_role_mib, result.cuda_per_role_mib = memory_per_role(
+            args, result.roles, s0, first_log)
     meta["wall_s"] = time.perf_counter() - started
     meta["loadavg_end"] = os.getloadavg()[0]
     summary = summarize(result, list(replays))

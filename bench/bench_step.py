@@ -26,6 +26,11 @@ meaningless, so the check is printed too.
 
     python bench/bench_step.py                       # bench presets (reference W2, W3)
     python bench/bench_step.py --preset test --steps 4 --warmup 1   # quick smoke run
+    python bench/bench_step.py --device cuda         # every role on a CUDA device
+
+On CUDA every role runs under the `cuda` profile, whose steps pin TF32, reduced-precision
+reductions and cuDNN off (plain32 included: IEEE float32 arithmetic), and record-torch equals
+record: the fused passes are CPU kernels, CUDA always takes the torch ops.
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ from protocol.codec.state import state_digest
 from protocol.engine import allocator, fused
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
-from protocol.engine.profiles import Profile
+from protocol.engine.profiles import Profile, plain_profile
 from protocol.engine.programs.registry import BUILTIN, load_program
 from protocol.engine.rounding import SiteRecorder
+from protocol.errors import OvtError
 
 ROLES = ("plain32", "plain64", "record", "replay", "record-torch", "nearest")
 MODE_OF = {"plain32": "plain", "plain64": "plain64", "record": "ovt", "replay": "ovt",
@@ -319,6 +325,9 @@ def main(argv=None) -> int:
                    help="run each timed step this many times from the same state and keep the "
                         "fastest (default 3; robust to other load on a shared machine)")
     p.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="device of every role (default cpu: profile cpu-<threads>t; cuda: "
+                        "profile cuda)")
     p.add_argument("--replay-profile", default=None,
                    help="profile of the replay executor (default: the same as record); e.g. "
                         "emulated-gpu — a cross-profile check is what `ovt replay-check` is for")
@@ -336,8 +345,13 @@ def main(argv=None) -> int:
         p.error("--steps and --repeats must be >= 1, --warmup >= 0, --threads >= 1")
     kept = None if args.malloc_defaults else allocator.keep_freed_memory()
 
-    profile = Profile(f"cpu-{args.threads}t", threads=args.threads)
-    replay_profile = Profile.parse(args.replay_profile) if args.replay_profile else profile
+    try:
+        profile = plain_profile(args.device, args.threads)
+        replay_profile = Profile.parse(args.replay_profile) if args.replay_profile else profile
+        profile.check_runnable()
+        replay_profile.check_runnable()
+    except OvtError as err:
+        p.error(str(err))
     policy = PrecisionPolicy.parse(args.policy)
     torch.set_num_threads(args.threads)
 
@@ -354,14 +368,15 @@ def main(argv=None) -> int:
         "replay_profile": replay_profile.describe(), "policy": policy.name,
         "bound_rules": policy.rules,
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "python": platform.python_version(), "machine": f"{platform.machine()} "
-        f"{os.cpu_count()} cpus", "command": " ".join([os.path.basename(sys.argv[0])]
-                                                      + (argv or sys.argv[1:])),
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus"
+        + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
         "malloc": allocator.describe(kept),
-        "fused": "yes" if fused.ENABLED
-        else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})",
+        "fused": ("no, CUDA takes the torch ops; " if args.device == "cuda" else "")
+        + ("yes" if fused.ENABLED else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})"),
     }
     if meta["loadavg_start"] > 0.5 and not args.quiet:
         print(f"warning: 1-min load average is {meta['loadavg_start']:.2f} on {os.cpu_count()} "

@@ -7,6 +7,10 @@ visible next to the Python overhead of the interceptor. cProfile inflates Python
 read shares, not absolute times; `bench/bench_step.py` measures un-instrumented step times.
 
     python bench/profile_step.py --program char-transformer --mode record
+    python bench/profile_step.py --device cuda --mode replay   # on a CUDA device
+
+On CUDA a step's waits for the device land in whichever call synchronizes first (`nonzero`,
+`item`, a copy to the host), not in the op that queued the work.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 from protocol.engine.allocator import keep_freed_memory
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
-from protocol.engine.profiles import Profile
+from protocol.engine.profiles import plain_profile
 from protocol.engine.programs.registry import BUILTIN, load_program
+from protocol.errors import OvtError
 
 
 def main() -> None:
@@ -31,14 +36,21 @@ def main() -> None:
     parser.add_argument("--mode", choices=("record", "replay"), default="record")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: profile threads=<threads>; cuda: profile cuda")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     keep_freed_memory()  # as ovt's processes do (protocol/engine/allocator.py)
     torch.set_num_threads(args.threads)
+    profile = plain_profile(args.device, args.threads)
+    try:
+        profile.check_runnable()
+    except OvtError as err:
+        parser.error(str(err))
 
     def executor() -> Executor:
         return Executor(load_program(args.program, preset=args.preset), seed=0,
-                        policy=PrecisionPolicy(), profile=Profile.parse(f"threads={args.threads}"))
+                        policy=PrecisionPolicy(), profile=profile)
 
     trainer = executor()
     trainer.init_state(1)

@@ -37,14 +37,20 @@ def _load() -> tuple[ModuleType | None, str | None]:
     if _SOURCE.exists() and getattr(library, "SOURCE", None) != \
             hashlib.sha256(_SOURCE.read_bytes()).hexdigest():
         return None, f"the library was built from another version of {_SOURCE.name}"
+    if getattr(library, "OWN_STANDARD_LIBRARY", 1):
+        return None, ("the library was linked with its own copy of the C++ standard library, "
+                      "as a compiler that finds libstdc++.a and no libstdc++.so does (install "
+                      "its libstdc++ development package): a failing check's message would "
+                      "crash the process")
     return library, None
 
 
 _LIBRARY, MISSING = _load()
 if MISSING is not None:
-    warnings.warn(f"ovt: the fused passes are not built ({MISSING}); using torch ops instead: "
-                  f"the same bits, but record steps are slower. Reinstall with a C++ compiler "
-                  f"present (pip install -e .) to build them.", RuntimeWarning, stacklevel=1)
+    warnings.warn(f"ovt: the fused passes are not used ({MISSING}); using torch ops instead: "
+                  f"the same bits, but record steps are slower. Reinstalling (pip install -e .) "
+                  f"with a C++ compiler and its libstdc++ development files present builds "
+                  f"them.", RuntimeWarning, stacklevel=1)
 
 # Whether the fused operators are used where they apply (a switch for comparisons).
 ENABLED = MISSING is None and os.environ.get("OVT_FUSED") != "0"

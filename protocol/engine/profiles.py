@@ -176,6 +176,17 @@ PRESETS: dict[str, Profile] = {
     "cuda": Profile("cuda", device="cuda"),
 }
 
+
+def plain_profile(device: str, threads: int) -> Profile:
+    """The unperturbed profile of `device` ("cpu" or "cuda"): `cuda`, or `cpu-<threads>t` (the
+    CPU on `threads` intra-op threads); the benchmarks' record and plain roles run under it."""
+    if device == "cuda":
+        return PRESETS["cuda"]
+    if device != "cpu":
+        raise ConfigError(f"device {device!r}: expected cpu or cuda")
+    return Profile(f"cpu-{threads}t", threads=threads)
+
+
 # The presets that run on any CPU, in the order `available_profiles` lists them.
 _CPU_PRESETS = ("cpu-1t", "cpu-2t", "isa-default", "emulated-gpu", "splitk-8", "pairwise",
                 "reversed", "adversary", "adversary-gpu")

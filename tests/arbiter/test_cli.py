@@ -4,18 +4,21 @@ cheats (a forged leaf, a stall) caught during bisection, and clear errors for ba
 
 from __future__ import annotations
 
+import argparse
 import json
 from concurrent import futures
 
 import grpc
 import pytest
+import torch
 
 from arbiter import adjudicate as adjudicate_module
-from arbiter.cli import main
+from arbiter.cli import main, profile_of
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from protocol.commit.keys import KeyPair
 from protocol.dispute.verdict import verify_verdict
+from protocol.engine.profiles import Profile
 from protocol.job.faults import parse_fault
 from trainer_node.faults import TrainerFaults
 
@@ -220,3 +223,23 @@ def test_finding_9_verify_names_the_signing_key_and_whether_it_was_checked(
     assert main(["verify", str(out), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["arbiter_key"] == key.public_key.hex() and shown["arbiter_key_checked"] is False
+
+
+@pytest.mark.parametrize("has_cuda", [False, True])
+@pytest.mark.parametrize("device,profile,expected", [
+    (None, None, None),  # default_profile(): cuda where there is a device, else cpu-2t
+    ("cpu", None, ("cpu-2t", "cpu")),
+    ("cuda", None, ("cuda", "cuda")),
+    (None, "emulated-gpu", ("emulated-gpu", "cpu")),
+    ("cuda", "emulated-gpu", ("emulated-gpu+device=cuda", "cuda")),
+])
+def test_the_reexecution_profile_follows_device_and_profile(monkeypatch, has_cuda, device,
+                                                            profile, expected):
+    """SPEC §5.4: the arbiter re-executes on a GPU where there is one, unless told otherwise."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
+    monkeypatch.setattr(Profile, "check_runnable", lambda self: None)
+    got = profile_of(argparse.Namespace(device=device, profile=profile))
+    if expected is None:
+        expected = ("cuda", "cuda") if has_cuda else ("cpu-2t", "cpu")
+        assert adjudicate_module.default_profile().name == expected[0]
+    assert (got.name, got.device) == expected

@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <Python.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <locale>
 #include <tuple>
 #include <vector>
 
@@ -1977,17 +1979,35 @@ static PyObject* philox_words(PyObject*, PyObject* args) {
   return out;
 }
 
+// Whether this library's calls into the C++ standard library reach a copy linked into the
+// library itself (a toolchain with libstdc++.a and no libstdc++.so links it statically, and a
+// loader flag such as -Bsymbolic-functions binds the calls to it). That copy's streams then
+// read a locale the process's own libstdc++ set up, perhaps of another release: seen on one
+// machine (GCC 13's library in a process running GCC 14's), where formatting a failing
+// TORCH_CHECK's message crashed the process instead of raising. fused.py refuses such a build.
+// Where dladdr cannot place an address (never seen) the answer is no: the library is used.
+static bool own_standard_library() {
+  Dl_info standard{}, self{};
+  const auto classic = &std::locale::classic;
+  const auto here = &own_standard_library;
+  return dladdr(reinterpret_cast<void*>(classic), &standard) != 0 &&
+         dladdr(reinterpret_cast<void*>(here), &self) != 0 &&
+         standard.dli_fbase == self.dli_fbase;
+}
+
 static PyMethodDef fused_methods[] = {
     {"philox", philox_words, METH_VARARGS, "The words of Philox4x32-10 blocks (rng.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 // An importable Python module: importing it loads this library, which registers
-// torch.ops.ovt.*; it holds `philox` and the source's hash.
+// torch.ops.ovt.*; it holds `philox`, the source's hash and OWN_STANDARD_LIBRARY.
 static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, fused_methods};
 
 PyMODINIT_FUNC PyInit__fused(void) {
   PyObject* module = PyModule_Create(&fused_module);
-  if (module != nullptr && PyModule_AddStringConstant(module, "SOURCE", OVT_FUSED_SOURCE) < 0) {
+  if (module != nullptr &&
+      (PyModule_AddStringConstant(module, "SOURCE", OVT_FUSED_SOURCE) < 0 ||
+       PyModule_AddIntConstant(module, "OWN_STANDARD_LIBRARY", own_standard_library()) < 0)) {
     Py_DECREF(module);
     return nullptr;
   }
