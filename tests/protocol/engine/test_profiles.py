@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.engine.profiles import PRESETS, Profile, available_profiles, current_isa
+from protocol.engine.profiles import (
+    PRESETS,
+    Profile,
+    available_profiles,
+    current_isa,
+    plain_profile,
+)
 from protocol.engine.splitk import SplitK
 from protocol.errors import ConfigError
 
@@ -231,3 +237,12 @@ def test_available_profiles():
     with_conv = [p.name for p in available_profiles(program_has_conv=True)]
     assert with_conv == CPU_PRESETS[:2] + ["channels-last"] + CPU_PRESETS[2:] + cuda
     assert set(with_conv) == set(PRESETS) - (set() if cuda else {"cuda"})
+
+
+def test_plain_profile_of_each_device():
+    assert plain_profile("cuda", 8) is PRESETS["cuda"]
+    cpu = plain_profile("cpu", 3)
+    assert (cpu.name, cpu.device, cpu.threads) == ("cpu-3t", "cpu", 3)
+    assert plain_profile("cpu", 2) == PRESETS["cpu-2t"]
+    with pytest.raises(ConfigError, match="expected cpu or cuda"):
+        plain_profile("gpu", 2)
