@@ -84,9 +84,8 @@ class Adjudication:
 
 
 def default_profile() -> Profile:
-    """The profile the arbiter re-executes under unless told otherwise: `cuda` where a CUDA
-    device exists (SPEC §5.4: the arbiter re-executes on a GPU where there is one), else
-    `cpu-2t`."""
+    """The profile the arbiter re-executes under unless told otherwise (SPEC §5.3: on its own
+    hardware, CPU or GPU): `cuda` where a CUDA device exists, else `cpu-2t`."""
     return Profile.parse("cuda" if torch.cuda.is_available() else "cpu-2t")
 
 

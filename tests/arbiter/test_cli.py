@@ -235,7 +235,7 @@ def test_finding_9_verify_names_the_signing_key_and_whether_it_was_checked(
 ])
 def test_the_reexecution_profile_follows_device_and_profile(monkeypatch, has_cuda, device,
                                                             profile, expected):
-    """SPEC §5.4: the arbiter re-executes on a GPU where there is one, unless told otherwise."""
+    """The arbiter re-executes (SPEC §5.3) on a GPU where there is one, unless told otherwise."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
     monkeypatch.setattr(Profile, "check_runnable", lambda self: None)
     got = profile_of(argparse.Namespace(device=device, profile=profile))
