@@ -1,29 +1,48 @@
 """Builds the fused passes of the rounding engine (`protocol/engine/csrc/fused.cpp`, issue 13)
-with the machine's C++ compiler; everything else is in pyproject.toml. The extension is
-optional: where it cannot be built (no compiler, or one torch cannot use), the install goes on
-and ovt computes the same with torch ops instead (the same bits, slower), warning each time it
-starts (`protocol.engine.fused`)."""
+with the machine's C++ compiler, as the module `protocol.engine._fused`, and their CUDA kernels
+(`fused_cuda.cu`) with nvcc, as `protocol.engine._fused_cuda`, where torch is a CUDA build and
+nvcc is found (`OVT_CUDA=0` skips them); everything else is in pyproject.toml. Each module is
+optional: where one cannot be built (no compiler, or one torch cannot use), the install goes on
+without it, and ovt computes the same with torch ops instead (the same bits, slower): on every
+device without `_fused`, which ovt warns of each time it starts (`protocol.engine.fused`), and
+on CUDA devices without `_fused_cuda`."""
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 
 class OptionalBuildExtension(BuildExtension.with_options(use_ninja=False)):
+    """torch's build, each module on its own: one that fails to build is left out (a warning
+    says why) and the others are built and installed all the same."""
+
     def build_extensions(self) -> None:
-        if not _shares_torchs_openmp(self.compiler.compiler_so[0]):
-            _drop_openmp(self.extensions)
+        self.failed: list = []
         try:
+            if not _shares_torchs_openmp(self.compiler.compiler_so[0]):
+                _drop_openmp(self.extensions)
             super().build_extensions()
-        except Exception as exc:  # the compiler check and the compile itself raise their own
-            self.extensions = []  # nothing to copy into place or list as built
+        except Exception as exc:  # torch's compiler checks, before any module is built
+            self.failed = list(self.extensions)
             print(f"WARNING: ovt's fused passes were not built ({exc}); ovt will use torch ops "
                   f"instead (same bits, slower record steps)", file=sys.stderr)
+        # nothing to copy into place or list as built for a module that failed
+        self.extensions = [e for e in self.extensions if e not in self.failed]
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # the compile or the link of this module
+            self.failed.append(ext)
+            what = "CUDA kernels" if ext.name.endswith("_cuda") else "passes"
+            print(f"WARNING: ovt's fused {what} were not built ({exc}); ovt will use torch ops "
+                  f"instead there (same bits, slower steps)", file=sys.stderr)
 
 
 # at::parallel_for is inline code: with ATen's OpenMP backend it runs on torch's threads only in
@@ -50,25 +69,47 @@ def _shares_torchs_openmp(compiler: str) -> bool:
 
 def _drop_openmp(extensions) -> None:
     for extension in extensions:
-        extension.extra_compile_args = [a for a in extension.extra_compile_args
-                                        if a not in OPENMP]
+        args = extension.extra_compile_args
+        if isinstance(args, dict):  # (a CUDA extension's: per compiler)
+            args["cxx"] = [a for a in args["cxx"] if a not in OPENMP]
+        else:
+            extension.extra_compile_args = [a for a in args if a not in OPENMP]
         extension.extra_link_args = [a for a in extension.extra_link_args if a not in OPENMP]
 
 
+CSRC = Path(__file__).parent / "protocol" / "engine" / "csrc"
 SOURCE = "protocol/engine/csrc/fused.cpp"
-# the library carries its source's hash; protocol.engine.fused refuses one built from another
-DIGEST = hashlib.sha256((Path(__file__).parent / SOURCE).read_bytes()).hexdigest()
+CUDA_SOURCE = "protocol/engine/csrc/fused_cuda.cu"
+HEADERS = [f"protocol/engine/csrc/{p.name}" for p in sorted(CSRC.glob("*.h"))]
+# Each module carries its sources' hash (every file of csrc, by name: the CUDA kernels' too,
+# built or not); protocol.engine.fused refuses one built from other sources.
+DIGEST = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir())
+                                 if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))).hexdigest()
+# two roundings for a*b + c, as torch computes it, and no fast-math shortcuts; a square root is
+# the IEEE instruction, vectorised (no errno: a negative input gives NaN)
+CXX_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+NVCC_ARGS = ["-O3", "--fmad=false"]  # (no fused multiply-add on the device either)
+MACROS = [("OVT_FUSED_SOURCE", f'"{DIGEST}"')]
+# dladdr (the OWN_STANDARD_LIBRARY check) is in libdl before glibc 2.34
+LIBRARIES = ["dl"] if sys.platform.startswith("linux") else []
+
+
+def extensions() -> list:
+    """`_fused`, and `_fused_cuda` where it may be built (the module docstring)."""
+    modules = [CppExtension("protocol.engine._fused", [SOURCE], define_macros=list(MACROS),
+                            libraries=list(LIBRARIES), extra_compile_args=[*CXX_ARGS, *OPENMP],
+                            extra_link_args=list(OPENMP), depends=[CUDA_SOURCE, *HEADERS])]
+    if torch.version.cuda is not None and CUDA_HOME is not None and \
+            os.environ.get("OVT_CUDA") != "0":
+        modules.append(CUDAExtension("protocol.engine._fused_cuda", [CUDA_SOURCE],
+                                     define_macros=list(MACROS), libraries=list(LIBRARIES),
+                                     extra_compile_args={"cxx": list(CXX_ARGS),
+                                                         "nvcc": NVCC_ARGS},
+                                     depends=[SOURCE, *HEADERS]))
+    return modules
+
 
 setup(
-    ext_modules=[CppExtension(
-        "protocol.engine._fused", [SOURCE],
-        define_macros=[("OVT_FUSED_SOURCE", f'"{DIGEST}"')],
-        # two roundings for a*b + c, as torch computes it, and no fast-math shortcuts; a square
-        # root is the IEEE instruction, vectorised (no errno: a negative input gives NaN)
-        extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno",
-                            *OPENMP],
-        # dladdr (the OWN_STANDARD_LIBRARY check) is in libdl before glibc 2.34
-        libraries=["dl"] if sys.platform.startswith("linux") else [],
-        extra_link_args=OPENMP)],
+    ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExtension},
 )

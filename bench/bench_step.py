@@ -118,6 +118,15 @@ class NearestRounder(SiteRecorder):
         return False
 
 
+def fused_in_use(device: str) -> str:
+    """Whether the record and replay columns ran the fused passes, for the table's header."""
+    if not fused.ENABLED:
+        return f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})"
+    if device == "cuda" and not fused.CUDA_KERNELS:
+        return "no, torch ops (no CUDA kernels: _fused_cuda not built or refused)"
+    return "yes" + (" (CUDA kernels)" if device == "cuda" else "")
+
+
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -375,8 +384,7 @@ def main(argv=None) -> int:
         "dense_bits_per_element": DENSE_BITS_PER_ELEMENT,
         "loadavg_start": os.getloadavg()[0],
         "malloc": allocator.describe(kept),
-        "fused": ("no, CUDA takes the torch ops; " if args.device == "cuda" else "")
-        + ("yes" if fused.ENABLED else f"no, torch ops ({fused.MISSING or 'OVT_FUSED=0'})"),
+        "fused": fused_in_use(args.device),
     }
     if meta["loadavg_start"] > 0.5 and not args.quiet:
         print(f"warning: 1-min load average is {meta['loadavg_start']:.2f} on {os.cpu_count()} "

@@ -12,9 +12,11 @@ matmul family row and column norms) on the way. Both ways give the same bits
 log's entries of a result in one C++ call (`torch.ops.ovt.apply_entries`) instead of the
 replayer's few dozen small torch ops per result.
 
-The fused passes serve the float64 -> float32 policy on the CPU. Everything else — CUDA, where
-the torch ops run as fast kernels anyway; the float32 -> bfloat16 policy; an install without
-the extension (`fused`) — runs the torch ops.
+The fused passes serve the float64 -> float32 policy on the CPU, and on CUDA devices where the
+library holds their kernels (`csrc/fused_cuda.cu`: one kernel per site where the torch ops
+launch a dozen and wait in `nonzero`; the candidates come back to the host, sorted, as from the
+CPU pass). Everything else — the float32 -> bfloat16 policy; an install without the extension
+or its CUDA kernels (`fused`) — runs the torch ops.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
     dtype — written to `out` where it is given (a 1-D target-dtype tensor of `flat`'s elements:
     a part's destination, which saves a copy), else a new tensor — the sorted indices into
     `flat` that may lie in the band (`precision.band_candidates`), their bounds (float64) and
-    `flat` there. The middle three are None where there is no candidate.
+    `flat` there. The middle three are None where there is no candidate; they are CPU tensors
+    where the fused pass ran (on a CUDA device too: the recorder decides entries on the CPU).
 
     `widen_back`: the caller owns `flat`'s memory and asks for it to be overwritten with `r`
     widened, which the fused pass does in the same read (`widened` True; not where a bound
@@ -157,8 +160,9 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
     int64, int64 CPU tensors over the whole site; `wide` is `rounding.WIDE`. The same checks
     and writes as `SiteReplayer._apply_directions` and `_apply_values` (csrc/fused.cpp
     `apply_entries`). True where it applied them all; False, with `r` untouched, where the pass
-    does not serve here (CUDA, the bfloat16 policy, no extension, a result with e = 0) or an
-    entry is invalid: the caller's torch ops then apply them, or report the violation.
+    does not serve here (the bfloat16 policy, no extension or kernel for the device, a result
+    with e = 0) or an entry is invalid: the caller's torch ops then apply them, or report the
+    violation.
 
     `widen_back`: `r` is not yet RNE(flat) but a buffer of its size, and the caller owns the
     contiguous `flat`; the pass writes the rounding with the entries applied into `r`, and
@@ -177,8 +181,8 @@ def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Te
 
 
 def _fused_serves(flat: torch.Tensor, policy: PrecisionPolicy) -> bool:
-    """Whether the C++ passes run on a site's values `flat` (module docstring)."""
-    return fused.serves(flat) and flat.dtype == torch.float64 and \
+    """Whether the fused passes run on a site's values `flat` (module docstring)."""
+    return fused.band_pass_serves(flat) and flat.dtype == torch.float64 and \
         (policy.compute, policy.target) == _FUSED_PAIR
 
 
@@ -211,18 +215,19 @@ def _of_affine(y: torch.Tensor, b: Affine) -> _FlatBound:
     if b.m is None:
         if b.other is None:
             return _FlatBound(_RELATIVE, b.scale, b.floor)
-        return _FlatBound(_PLUS, b.scale, b.floor, add=_float64(b.other.expand(y.shape)),
+        return _FlatBound(_PLUS, b.scale, b.floor, add=_float64(b.other.expand(y.shape), y),
                           weight=b.weight)
     if b.col is None:
         return _rows(y, b.m, b.scale, b.floor, b.weight)
     rows, inner = b.m.shape[-1], b.col.shape[-1]  # y viewed as (..., rows, inner)
     add = b.add
     if add is not None:
-        add = add.to(torch.float64)
+        add = add.to(device=y.device, dtype=torch.float64)
         if not (add.numel() == inner and add.shape[-1:] == (inner,)):
             add = add.expand(y.shape)  # a full matrix (or broadcast otherwise): one per element
         add = add.reshape(-1).contiguous()
-    return _FlatBound(_OUTER, b.scale, b.floor, _float64(b.m), _float64(b.col), add, inner, rows)
+    return _FlatBound(_OUTER, b.scale, b.floor, _float64(b.m, y), _float64(b.col, y), add, inner,
+                      rows)
 
 
 def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float, weight: float = 0.0
@@ -232,8 +237,8 @@ def _rows(y: torch.Tensor, m: torch.Tensor, scale: float, floor: float, weight: 
     expanded to one value per element."""
     inner = _run(y.shape, m.shape)
     if inner is not None:
-        return _FlatBound(_ROWS, scale, floor, _float64(m), inner=inner, weight=weight)
-    return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape)), weight=weight)
+        return _FlatBound(_ROWS, scale, floor, _float64(m, y), inner=inner, weight=weight)
+    return _FlatBound(_ROWS, scale, floor, _float64(m.expand(y.shape), y), weight=weight)
 
 
 @lru_cache(maxsize=4096)
@@ -249,5 +254,7 @@ def _run(shape: torch.Size, base: torch.Size) -> int | None:
     return None
 
 
-def _float64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64).reshape(-1).contiguous()
+def _float64(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A bound factor of `y` flat, in float64, on `y`'s device (where the fused pass reads it:
+    a rule may give a CPU scalar tensor for a CUDA result, which torch ops broadcast)."""
+    return t.to(device=y.device, dtype=torch.float64).reshape(-1).contiguous()

@@ -12,12 +12,18 @@ the normalisation statistics, in their own order, not a torch sequence's bits
 compiler when ovt was installed) ovt says so once, loudly, and uses the torch ops. The
 environment variable `OVT_FUSED=0` asks for the torch ops (comparisons, `bench/bench_step.py`
 does both).
+
+The band passes — `round_band`, `nearest` and `apply_entries` — also run on CUDA devices, as
+kernels (`csrc/fused_cuda.cu`, the same element arithmetic as the CPU's: `csrc/band.h`) in a
+module of their own, `_fused_cuda`, where it was built (`CUDA_KERNELS`: nvcc and a CUDA build
+of torch at install); elsewhere a CUDA site takes the torch ops (`band_pass_serves`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -25,24 +31,49 @@ from types import ModuleType
 
 import torch
 
-_SOURCE = Path(__file__).with_name("csrc") / "fused.cpp"
+_SOURCES = Path(__file__).with_name("csrc")
 
 
-def _load() -> tuple[ModuleType | None, str | None]:
-    """Load the library: (it, None), or (None, why it cannot be used)."""
-    try:  # loading it registers torch.ops.ovt
-        library = importlib.import_module("protocol.engine._fused")
+def _digest() -> str | None:
+    """The sha256 of the library's sources as setup.py takes it (every .cpp, .cu and .h file of
+    csrc, by name), or None where they are not installed beside this module."""
+    files = sorted(p for p in _SOURCES.glob("*") if p.is_file() and
+                   p.suffix in (".cpp", ".cu", ".h")) if _SOURCES.is_dir() else []
+    if not files:
+        return None
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def _load(name: str = "_fused") -> tuple[ModuleType | None, str | None]:
+    """Load a module of the library (`_fused`, the CPU passes, or `_fused_cuda`, their CUDA
+    kernels, which importing registers): (it, None), or (None, why it cannot be used)."""
+    try:
+        library = importlib.import_module(f"protocol.engine.{name}")
     except (ImportError, OSError, RuntimeError) as exc:  # not built, or not loadable here
         return None, str(exc)
-    if _SOURCE.exists() and getattr(library, "SOURCE", None) != \
-            hashlib.sha256(_SOURCE.read_bytes()).hexdigest():
-        return None, f"the library was built from another version of {_SOURCE.name}"
+    digest = _digest()
+    if digest is not None and getattr(library, "SOURCE", None) != digest:
+        return None, f"{name} was built from another version of its sources ({_SOURCES})"
     if getattr(library, "OWN_STANDARD_LIBRARY", 1):
-        return None, ("the library was linked with its own copy of the C++ standard library, "
+        return None, (f"{name} was linked with its own copy of the C++ standard library, "
                       "as a compiler that finds libstdc++.a and no libstdc++.so does (install "
                       "its libstdc++ development package): a failing check's message would "
                       "crash the process")
     return library, None
+
+
+def _load_cuda_kernels() -> bool:
+    """Whether the band passes' CUDA kernels are loaded (after the CPU passes, whose operators
+    they implement): not where they were not built (a CPU build of torch, no nvcc), and not,
+    with a warning, where the module is there but cannot be used."""
+    if _LIBRARY is None or importlib.util.find_spec("protocol.engine._fused_cuda") is None:
+        return False
+    kernels, why = _load("_fused_cuda")
+    if kernels is None:
+        warnings.warn(f"ovt: the fused passes' CUDA kernels are not used ({why}); CUDA sites "
+                      f"take torch ops instead: the same bits, slower steps", RuntimeWarning,
+                      stacklevel=2)
+    return kernels is not None
 
 
 _LIBRARY, MISSING = _load()
@@ -54,11 +85,19 @@ if MISSING is not None:
 
 # Whether the fused operators are used where they apply (a switch for comparisons).
 ENABLED = MISSING is None and os.environ.get("OVT_FUSED") != "0"
+# Whether the band passes' CUDA kernels are loaded (module docstring).
+CUDA_KERNELS = _load_cuda_kernels()
 
 
 def serves(t: torch.Tensor) -> bool:
     """Whether a fused operator runs on `t`: enabled, and `t` on the CPU."""
     return ENABLED and t.is_cpu
+
+
+def band_pass_serves(t: torch.Tensor) -> bool:
+    """Whether the band passes (`round_band`, `nearest`, `apply_entries`) run on `t`: enabled,
+    and `t` on the CPU, or on a CUDA device where the library has their kernels."""
+    return ENABLED and (t.is_cpu or (t.is_cuda and CUDA_KERNELS))
 
 
 def own_arithmetic(t: torch.Tensor) -> bool:

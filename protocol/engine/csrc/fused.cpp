@@ -34,7 +34,10 @@
 #include <torch/library.h>
 
 #include <Python.h>
-#include <dlfcn.h>
+
+#include "band.h"
+#include "module.h"
+#include "sites.h"
 
 #include <algorithm>
 #include <atomic>
@@ -42,7 +45,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <locale>
 #include <tuple>
 #include <vector>
 
@@ -55,108 +57,14 @@
 #define OVT_CLONES
 #endif
 
-// The sha256 of this file, given by setup.py: fused.py refuses a library built from another
-// version of it (an editable install whose rebuild failed keeps the old library).
-#ifndef OVT_FUSED_SOURCE
-#define OVT_FUSED_SOURCE "unknown"
-#endif
 
 namespace {
 
-// float64 -> float32 facts (precision.py `_FORMATS`): the 29 low bits of a float64 are its
-// position inside a float32 ULP; 2**54 turns "half the distance <= 2e" into one compare.
-constexpr int kShift = 52 - 23;
-constexpr int64_t kLowMask = (int64_t{1} << kShift) - 1;
-constexpr int64_t kHalf = int64_t{1} << (kShift - 1);
-constexpr int64_t kExpMask = 0x7FF0000000000000LL;
-constexpr int64_t kAbsMask = 0x7FFFFFFFFFFFFFFFLL;
-constexpr int64_t kMinNormalBits = int64_t{1023 - 126} << 52;
-constexpr double kBandScale = 18014398509481984.0;  // 2**54
-constexpr double kZeroBand = 0x1p-151;  // a zero is in the band from e = this (precision.py)
-constexpr double kZeroBand54 = 0x1p-97;  // kZeroBand · 2**54
-constexpr int64_t kTwo52Bits = 0x4330000000000000LL;  // the bits of 2**52
-constexpr int64_t kInfBits = 0x7FF0000000000000LL;   // the bits of +inf
-constexpr int64_t kGrain = 1 << 15;                  // elements per chunk of work
-constexpr int32_t kQuietNaN32 = 0x7FC00000;          // float32's +NaN
+using namespace ovt;
 
-// How an element's `base` is found (bounds.py `Affine`, in the same order).
-enum Mode : int64_t {
-  kRelative = 0,  // base = |y_i|
-  kRows = 1,      // base = m[i / inner]  (m holds one value per run of `inner` elements),
-                  //        + weight * |y_i| where weight is not 0
-  kOuter = 2,     // base = m[i / inner] * col[(i / (rows * inner)) * inner + i % inner]
-                  //        (+ add[i % inner] or + add[i], where `add` is given)
-  kPlus = 3,      // base = |y_i| + weight * |add[i]|  (`add` one value per element)
-};
-
-struct Spec {
-  int64_t mode;
-  const double* m;
-  const double* col;
-  const double* add;
-  bool add_per_column;
-  int64_t inner;
-  int64_t rows;
-  double scale;
-  double floor;
-  double weight;  // kPlus's, and kRows's where not 0
-};
-
-__attribute__((always_inline)) inline double as_double(int64_t bits) { return __builtin_bit_cast(double, bits); }
-
-// Element i's base (bounds.py `Affine`; bandpass.py `_FlatBound.at`, the same operations in the
-// same order), for sparse use: the band pass finds it row by row instead (`scan`).
-inline double base_at(const Spec& s, const double* y, int64_t i) {
-  if (s.mode == kRelative) return std::fabs(y[i]);
-  if (s.mode == kPlus) return std::fabs(y[i]) + s.weight * std::fabs(s.add[i]);
-  const int64_t row = i / s.inner;
-  if (s.mode == kRows) return s.weight != 0 ? s.m[row] + s.weight * std::fabs(y[i]) : s.m[row];
-  const int64_t j = i % s.inner;
-  double base = s.m[row] * s.col[(row / s.rows) * s.inner + j];
-  if (s.add != nullptr) base = base + s.add[s.add_per_column ? j : i];
-  return base;
-}
-
-// Element i's bound e at a candidate or a logged entry (bandpass.py `_FlatBound.at`: NaN as +inf).
-inline double bound_at(const Spec& s, const double* y, int64_t i) {
-  const double e = base_at(s, y, i) * s.scale + s.floor;
-  if (std::isnan(e)) return INFINITY;
-  return e == -INFINITY ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
-}
-
-// Whether y may lie within 2e of a rounding boundary, given e54 = e·2**54: precision.py
-// `band_candidates`, the same decisions (below). Branch-free, so that the loops calling it
-// vectorise; its comparisons are negated so that a NaN bound (which certifies nothing) lands in
-// the band; a NaN or infinite y never does (no rounding choice).
-__attribute__((always_inline)) inline int64_t in_band(double y, double e54) {
-  const int64_t bits = __builtin_bit_cast(int64_t, y);
-  // y's position inside its float32 ULP in compute ULPs, the low 29 bits as a number (exact:
-  // (2**52 + low) - 2**52), and 2**E of y's binade (0 below normals): `far` is 2**52 times
-  // the distance from the ULP's midpoint
-  const double low = as_double(kTwo52Bits | (bits & kLowMask)) - 0x1p52;
-  const double power = as_double(bits & kExpMask);
-  const double far = std::fabs(low - static_cast<double>(kHalf)) * power;
-  const int64_t magnitude = bits & kAbsMask;
-  // below float32's smallest normal the ULP differs: a candidate, except a zero under e < 2^-151
-  const int64_t small = magnitude < kMinNormalBits;
-  const int64_t small_keep =
-      static_cast<int64_t>(magnitude != 0) | static_cast<int64_t>(!(e54 < kZeroBand54));
-  const int64_t normal_keep =
-      static_cast<int64_t>(!(far > e54)) & static_cast<int64_t>(magnitude < kExpMask);
-  // e = 0: a correctly rounded result, never in the band
-  return static_cast<int64_t>(!(e54 <= 0)) & ((small & small_keep) | ((1 - small) & normal_keep));
-}
-
-// e·2**54 for e = t + floor, t = scale·base (two roundings, as in torch), given
-// floor54 = floor·2**54: t·2**54 + floor54, so that no operand is subnormal where t is normal.
-// A rule's floor is a few compute-dtype subnormals, and adding one to every element cost a
-// microcode assist each (10x the pass's time). The band test decides alike: where t + floor is
-// normal, scaling by 2**54 is exact on both sides of the sum (the same bits, times 2**54); where
-// it is subnormal, e54 is zero exactly when e is (t and floor are both non-negative), and
-// otherwise both lie below 2**-968 and 2**-97, where `far` is either 0 or at least 2**-155.
-__attribute__((always_inline)) inline double scaled_bound(double t, double floor54) {
-  return t * kBandScale + floor54;
-}
+// Elements per chunk of work, and float32's +NaN (the band arithmetic itself: band.h).
+constexpr int64_t kGrain = 1 << 15;
+constexpr int32_t kQuietNaN32 = 0x7FC00000;
 
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
 // `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and tells
@@ -651,60 +559,6 @@ void normalize_backward(const at::Tensor& g, const at::Tensor& x, const at::Tens
   });
 }
 
-const double* factor(const c10::optional<at::Tensor>& t, int64_t numel, const char* op,
-                     const char* name) {
-  TORCH_CHECK(t.has_value(), op, ": this mode needs ", name);
-  TORCH_CHECK(t->dtype() == at::kDouble && t->is_contiguous() && t->device().is_cpu(),
-              op, ": ", name, " must be a contiguous float64 CPU tensor");
-  TORCH_CHECK(t->numel() == numel, op, ": ", name, " has ", t->numel(),
-              " elements, expected ", numel);
-  return t->data_ptr<double>();
-}
-
-// The bound of a result of n elements in the form bandpass.py `_FlatBound` gives it.
-Spec make_spec(int64_t n, int64_t mode, const c10::optional<at::Tensor>& m,
-               const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add,
-               int64_t inner, int64_t rows, double scale, double floor, double weight,
-               const char* op) {
-  Spec s{mode,  nullptr, nullptr, nullptr, false, std::max<int64_t>(inner, 1),
-         std::max<int64_t>(rows, 1), scale, floor, weight};
-  if (mode == kRows || mode == kOuter) {
-    TORCH_CHECK(n % s.inner == 0, op, ": ", n, " elements are not runs of ", s.inner);
-    s.m = factor(m, n / s.inner, op, "m");
-    if (mode == kOuter) {
-      TORCH_CHECK((n / s.inner) % s.rows == 0, op, ": rows do not divide the batch");
-      s.col = factor(col, n / (s.rows * s.inner) * s.inner, op, "col");
-      if (add.has_value()) {
-        s.add_per_column = add->numel() == s.inner;  // (the same indexing when n == inner)
-        s.add = factor(add, s.add_per_column ? s.inner : n, op, "add");
-      }
-    }
-  } else if (mode == kPlus) {
-    s.add = factor(add, n, op, "add");
-  } else {
-    TORCH_CHECK(mode == kRelative, op, ": unknown mode ", mode);
-  }
-  return s;
-}
-
-// The element count of a site's values `y` and their rounding `r`, checked to be 1-D
-// contiguous float64 and float32 CPU tensors of one length.
-int64_t site_length(const at::Tensor& y, const at::Tensor& r, const char* op) {
-  TORCH_CHECK(y.dim() == 1 && y.dtype() == at::kDouble && y.is_contiguous() &&
-                  y.device().is_cpu(),
-              op, ": y must be a 1-D contiguous float64 CPU tensor");
-  const int64_t n = y.numel();
-  TORCH_CHECK(r.dim() == 1 && r.dtype() == at::kFloat && r.is_contiguous() &&
-                  r.device().is_cpu() && r.numel() == n,
-              op, ": r must be a 1-D contiguous float32 CPU tensor of ", n, " elements");
-  return n;
-}
-
-// Whether the n doubles at p overlap the bytes of `t` (an optional bound factor).
-bool overlaps(const double* p, int64_t n, const double* t, int64_t t_n) {
-  return t != nullptr && p < t + t_n && t < p + n;
-}
-
 // r[begin:end) = y[begin:end) rounded to nearest-even (a C++ cast, as torch's `to`).
 OVT_CLONES
 void narrow_range(const double* y, float* r, int64_t begin, int64_t end) {
@@ -726,14 +580,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
     const c10::optional<at::Tensor>& col, const c10::optional<at::Tensor>& add, int64_t inner,
     int64_t rows, double scale, double floor, double weight, bool widen_back) {
   const int64_t n = site_length(y, r, "round_band");
-  const Spec s =
-      make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, "round_band");
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, y.device(),
+                           "round_band");
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
-  const bool widen =
-      widen_back && !overlaps(yp, n, s.m, m.has_value() ? m->numel() : 0) &&
-      !overlaps(yp, n, s.col, col.has_value() ? col->numel() : 0) &&
-      !overlaps(yp, n, s.add, add.has_value() ? add->numel() : 0);
+  const bool widen = widen_back && may_widen(yp, n, s, m, col, add);
   const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
   // per chunk: its candidates, then their bounds and values (read before y is widened back)
   std::vector<std::vector<int64_t>> found(static_cast<size_t>(chunks));
@@ -784,35 +635,6 @@ void nearest(const at::Tensor& y, const at::Tensor& r) {
   });
 }
 
-// float32's ULP just above |r| (precision.py `target_ulp`): 2**E of r's binade, the subnormal
-// ULP for zero and subnormals, as float64.
-inline double target_ulp(float r) {
-  const int64_t field = (__builtin_bit_cast(int32_t, r) & 0x7FFFFFFF) >> 23;
-  return as_double((std::max<int64_t>(field, 1) - (127 + 23) + 1023) << 52);
-}
-
-// δ, the exact distance of y from its nearest rounding boundary, r = RNE(y) (precision.py
-// `boundary_distance` and `_boundaries`, the same operations): half r's ULP above |r|, half the
-// gap below it beneath (a quarter ULP at a power of two), the overflow threshold below an
-// infinite r.
-inline double boundary_distance(double y, float r, double overflow) {
-  const double a = std::fabs(y), b = std::fabs(static_cast<double>(r));
-  const double ulp = target_ulp(r), half = ulp * 0.5;
-  const int32_t magnitude = __builtin_bit_cast(int32_t, r) & 0x7FFFFFFF;
-  const bool power_of_two = (magnitude & 0x7FFFFF) == 0 && (magnitude >> 23) > 1;
-  const double above = b + half;
-  const double below = std::isinf(r) ? overflow : b - (power_of_two ? ulp * 0.25 : half);
-  const double gap_above = std::fabs(above - a), gap_below = std::fabs(a - below);
-  // torch.minimum; NaN only for a non-finite y, which no entry may have (checked by callers)
-  return gap_above < gap_below ? gap_above : gap_below;
-}
-
-const int64_t* entry_indices(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == at::kLong && t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(),
-              "apply_entries: ", name, " must be a 1-D contiguous int64 CPU tensor");
-  return t.data_ptr<int64_t>();
-}
-
 // The roundings that the entries of one result give, where every entry in its range is valid
 // (`apply_entries`), as (position in the result, float32 value) pairs, directions first; false
 // at the first invalid one. RNE(y[i]) is read from rp, or computed where rp is null.
@@ -830,44 +652,24 @@ bool entry_roundings(const Spec& s, const double* yp, const float* rp, int64_t n
     return rp != nullptr ? rp[i] : static_cast<float>(yp[i]);
   };
   for (int64_t k = 0; k < dirs; ++k) {
-    if (!mine(dir[k])) continue;
-    const int64_t i = dir[k] - offset;
-    const double yv = yp[i], ev = bound_at(s, yp, i);
-    if (!(ev > 0 && boundary_distance(yv, nearest_at(i), overflow) <= 4 * ev &&
-          std::isfinite(yv))) {
+    if (mine(dir[k]) && !direction_valid(s, yp, dir[k] - offset, nearest_at(dir[k] - offset),
+                                         overflow)) {
       return false;
     }
   }
   for (int64_t k = 0; k < vals; ++k) {
-    if (!mine(val[k])) continue;
-    if (bits[k] < 0 || bits[k] > 0xFFFFFFFFLL) return false;
-    const int64_t i = val[k] - offset;
-    const float v = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]));
-    const double yv = yp[i], ev = bound_at(s, yp, i);
-    const double ulp = target_ulp(v);
-    const bool in_band =
-        boundary_distance(yv, static_cast<float>(yv), overflow) <= 4 * ev;
-    const bool near =
-        std::isinf(v) ? std::fabs(yv) + 4 * ev >= overflow && std::signbit(v) == std::signbit(yv)
-                      : std::fabs(static_cast<double>(v) - yv) <= ulp / 2 + 4 * ev;
-    if (!(ev > 0 && in_band && 2 * wide * ev >= ulp && near && !std::isnan(v) &&
-          std::isfinite(yv))) {
+    if (mine(val[k]) && !value_valid(s, yp, val[k] - offset, bits[k], overflow, wide)) {
       return false;
     }
   }
   for (int64_t k = 0; k < dirs; ++k) {
     if (!mine(dir[k])) continue;
     const int64_t i = dir[k] - offset;
-    const float rv = nearest_at(i);
-    // rounding.py `step_toward`: one ULP away from zero is +1 on the bit pattern, toward it -1
-    const bool away = std::fabs(static_cast<double>(rv)) > std::fabs(yp[i]);
-    out.emplace_back(i, away == dir_up[k] ? rv
-                            : __builtin_bit_cast(float, __builtin_bit_cast(int32_t, rv) +
-                                                            (dir_up[k] ? 1 : -1)));
+    out.emplace_back(i, directed(nearest_at(i), yp[i], dir_up[k]));
   }
   for (int64_t k = 0; k < vals; ++k) {
     if (mine(val[k])) {
-      out.emplace_back(val[k] - offset, __builtin_bit_cast(float, static_cast<uint32_t>(bits[k])));
+      out.emplace_back(val[k] - offset, as_float(static_cast<int32_t>(static_cast<uint32_t>(bits[k]))));
     }
   }
   return true;
@@ -897,7 +699,7 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
               "apply_entries: up must be a contiguous bool tensor, one per index");
   TORCH_CHECK(values.numel() == value_indices.numel(),
               "apply_entries: values must be one per value index");
-  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight,
+  const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, y.device(),
                            "apply_entries");
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
@@ -1979,37 +1781,12 @@ static PyObject* philox_words(PyObject*, PyObject* args) {
   return out;
 }
 
-// Whether this library's calls into the C++ standard library reach a copy linked into the
-// library itself (a toolchain with libstdc++.a and no libstdc++.so links it statically, and a
-// loader flag such as -Bsymbolic-functions binds the calls to it). That copy's streams then
-// read a locale the process's own libstdc++ set up, perhaps of another release: seen on one
-// machine (GCC 13's library in a process running GCC 14's), where formatting a failing
-// TORCH_CHECK's message crashed the process instead of raising. fused.py refuses such a build.
-// Where dladdr cannot place an address (never seen) the answer is no: the library is used.
-static bool own_standard_library() {
-  Dl_info standard{}, self{};
-  const auto classic = &std::locale::classic;
-  const auto here = &own_standard_library;
-  return dladdr(reinterpret_cast<void*>(classic), &standard) != 0 &&
-         dladdr(reinterpret_cast<void*>(here), &self) != 0 &&
-         standard.dli_fbase == self.dli_fbase;
-}
-
 static PyMethodDef fused_methods[] = {
     {"philox", philox_words, METH_VARARGS, "The words of Philox4x32-10 blocks (rng.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 // An importable Python module: importing it loads this library, which registers
-// torch.ops.ovt.*; it holds `philox`, the source's hash and OWN_STANDARD_LIBRARY.
+// torch.ops.ovt.* (and their CPU kernels); it holds `philox`, SOURCE and OWN_STANDARD_LIBRARY.
 static PyModuleDef fused_module = {PyModuleDef_HEAD_INIT, "_fused", nullptr, -1, fused_methods};
 
-PyMODINIT_FUNC PyInit__fused(void) {
-  PyObject* module = PyModule_Create(&fused_module);
-  if (module != nullptr &&
-      (PyModule_AddStringConstant(module, "SOURCE", OVT_FUSED_SOURCE) < 0 ||
-       PyModule_AddIntConstant(module, "OWN_STANDARD_LIBRARY", own_standard_library()) < 0)) {
-    Py_DECREF(module);
-    return nullptr;
-  }
-  return module;
-}
+PyMODINIT_FUNC PyInit__fused(void) { return ovt::describe_module(&fused_module); }

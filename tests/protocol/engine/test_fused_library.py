@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -23,7 +24,9 @@ import pytest
 from protocol.engine import fused
 
 ROOT = Path(__file__).resolve().parents[3]
-SOURCE = hashlib.sha256((ROOT / "protocol/engine/csrc/fused.cpp").read_bytes()).hexdigest()
+SOURCES = ROOT / "protocol/engine/csrc"
+SOURCE = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCES.iterdir())
+                                 if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))).hexdigest()
 
 
 def load_with(monkeypatch, library: types.ModuleType):
@@ -48,9 +51,47 @@ def test_a_library_on_the_standard_library_of_the_process_is_used(monkeypatch):
     assert why is None and got is not None
 
 
+def test_a_library_built_from_other_sources_is_refused(monkeypatch):
+    """The hash covers every source of the library (setup.py's), the shared header and the
+    CUDA kernels' too: an edit to any of them that was not rebuilt is noticed."""
+    assert fused._digest() == SOURCE
+    got, why = load_with(monkeypatch, library(SOURCE="0" * 64, OWN_STANDARD_LIBRARY=0))
+    assert got is None and "another version of its sources" in why
+
+
 def test_a_library_with_its_own_standard_library_is_refused(monkeypatch):
     got, why = load_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1))
     assert got is None and "its own copy of the C++ standard library" in why
+
+
+def cuda_kernels_with(monkeypatch, kernels: types.ModuleType | None) -> bool:
+    """`fused._load_cuda_kernels()` where `_fused` is loaded and `_fused_cuda` is `kernels`
+    (None: not built)."""
+    real_find, real_import = importlib.util.find_spec, importlib.import_module
+
+    def find(name, package=None):
+        if name == "protocol.engine._fused_cuda":
+            return None if kernels is None else types.SimpleNamespace(name=name)
+        return real_find(name, package)
+
+    def fake(name, package=None):
+        return kernels if name == "protocol.engine._fused_cuda" else real_import(name, package)
+
+    monkeypatch.setattr(fused, "_LIBRARY", library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0))
+    monkeypatch.setattr(fused.importlib.util, "find_spec", find)
+    monkeypatch.setattr(fused.importlib, "import_module", fake)
+    return fused._load_cuda_kernels()
+
+
+def test_the_cuda_kernels_are_used_where_built_from_these_sources(monkeypatch, recwarn):
+    assert cuda_kernels_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0))
+    assert not cuda_kernels_with(monkeypatch, None)  # not built (CPU torch, no nvcc): quietly
+    assert not recwarn.list
+    with pytest.warns(RuntimeWarning, match="CUDA kernels are not used .*another version"):
+        assert not cuda_kernels_with(monkeypatch, library(SOURCE="0" * 64,
+                                                          OWN_STANDARD_LIBRARY=0))
+    with pytest.warns(RuntimeWarning, match="its own copy of the C\\+\\+ standard library"):
+        assert not cuda_kernels_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1))
 
 
 def test_the_installed_library_calls_the_standard_library_of_the_process():
@@ -70,10 +111,10 @@ def test_the_library_tells_a_static_standard_library_apart(tmp_path, flags, own)
     """Built here once as setup.py builds it and once with libstdc++ linked in statically (what
     a compiler with no libstdc++.so does) and its calls bound inside the library (as one
     distribution's Python links extensions), each loaded in a process of its own."""
-    for name in ("setup.py", "pyproject.toml", "README.md", "protocol/engine/csrc/fused.cpp"):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
-    env = {**os.environ, "LDFLAGS": flags}
+    shutil.copytree(SOURCES, tmp_path / "protocol/engine/csrc")
+    env = {**os.environ, "LDFLAGS": flags, "OVT_CUDA": "0"}
     build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     built = list((tmp_path / "protocol/engine").glob("_fused*.so"))
