@@ -695,10 +695,7 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
                    double scale, double floor, double weight, double overflow, double wide,
                    bool widen_back) {
   const int64_t n = site_length(y, r, "apply_entries");
-  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.numel() == indices.numel(),
-              "apply_entries: up must be a contiguous bool tensor, one per index");
-  TORCH_CHECK(values.numel() == value_indices.numel(),
-              "apply_entries: values must be one per value index");
+  check_entries(indices, up, value_indices, values);
   const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, y.device(),
                            "apply_entries");
   double* yp = y.data_ptr<double>();

@@ -202,11 +202,7 @@ bool apply_entries_cuda(const at::Tensor& y, const at::Tensor& r, int64_t offset
                         bool widen_back) {
   check_device(y, "apply_entries");
   const int64_t n = site_length(y, r, "apply_entries");
-  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.device().is_cpu() &&
-                  up.numel() == indices.numel(),
-              "apply_entries: up must be a contiguous bool CPU tensor, one per index");
-  TORCH_CHECK(values.numel() == value_indices.numel(),
-              "apply_entries: values must be one per value index");
+  check_entries(indices, up, value_indices, values);
   const Spec s = make_spec(n, mode, m, col, add, inner, rows, scale, floor, weight, y.device(),
                            "apply_entries");
   const int64_t* dir = entry_indices(indices, "indices");

@@ -85,4 +85,19 @@ inline const int64_t* entry_indices(const at::Tensor& t, const char* name) {
   return t.data_ptr<int64_t>();
 }
 
+// A replayed site's log entries as apply_entries reads them on either device (rounding.py
+// `_entry_tensors`): direction indices and one direction each, value indices and one value's
+// bits each, on the CPU (where the log is).
+inline void check_entries(const at::Tensor& indices, const at::Tensor& up,
+                          const at::Tensor& value_indices, const at::Tensor& values) {
+  entry_indices(indices, "indices");
+  entry_indices(value_indices, "value_indices");
+  entry_indices(values, "values");
+  TORCH_CHECK(up.dtype() == at::kBool && up.is_contiguous() && up.device().is_cpu() &&
+                  up.numel() == indices.numel(),
+              "apply_entries: up must be a contiguous bool CPU tensor, one per index");
+  TORCH_CHECK(values.numel() == value_indices.numel(),
+              "apply_entries: values must be one per value index");
+}
+
 }  // namespace ovt

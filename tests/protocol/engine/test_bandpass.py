@@ -281,6 +281,27 @@ def test_the_torch_pass_is_the_band_test(seed, monkeypatch):
         assert torch.equal(r.view(torch.int32), flat.to(torch.float32).view(torch.int32))
 
 
+def record_steps(program: str, profile: str) -> tuple[dict, list, list[bytes], str]:
+    """Two steps of a built-in (test preset, seed 3) recorded under `profile`: the state they
+    start from, their logs, the logs' encodings and the end state's digest."""
+    ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
+                  profile=Profile.parse(profile))
+    ex.init_state(1)
+    start = ex.state()
+    records = [ex.step().log for _ in range(2)]
+    return start, records, [encode_log(log) for log in records], state_digest(ex.state())
+
+
+def replayed(program: str, profile: str, start: dict, records: list) -> str:
+    """The digest of the state that `record_steps`'s logs replay to under `profile`."""
+    auditor = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
+                       profile=Profile.parse(profile))
+    auditor.load_state(start)
+    for log in records:
+        auditor.step(log)
+    return state_digest(auditor.state())
+
+
 @needs_fused
 @pytest.mark.parametrize("program", ["char-transformer", "image-cnn"])
 def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
@@ -289,19 +310,8 @@ def test_whole_steps_log_and_land_the_same_on_both_passes(program, monkeypatch):
     logs, states = {}, {}
     for name in ("fused", "torch"):
         monkeypatch.setattr(fused, "ENABLED", name == "fused")
-        ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
-                      profile=Profile.parse("threads=2"))
-        ex.init_state(1)
-        start = ex.state()
-        records = [ex.step().log for _ in range(2)]
-        logs[name] = [encode_log(log) for log in records]
-        states[name] = state_digest(ex.state())
-        auditor = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
-                           profile=Profile.parse("threads=1"))
-        auditor.load_state(start)
-        for log in records:
-            auditor.step(log)
-        assert state_digest(auditor.state()) == states[name], name
+        start, records, logs[name], states[name] = record_steps(program, "threads=2")
+        assert replayed(program, "threads=1", start, records) == states[name], name
     assert logs["fused"] == logs["torch"] and states["fused"] == states["torch"]
     assert any(len(log) > 16 for log in logs["fused"])  # something was logged
 
@@ -445,26 +455,24 @@ def value_choices(r: torch.Tensor) -> list[int]:
             0x7F800000, 0xFF800000, 0x7FC00000, 1 << 33]
 
 
-@needs_fused
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # (17 s each)
-def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monkeypatch):
-    """`bandpass.apply_entries` (csrc/fused.cpp) against the replayer's torch ops, entry by
-    entry on every hard site: a direction entry either way, and value entries of every kind
-    (`value_choices`), at elements near and far from boundaries, with every form of bound.
-    Each is a one-entry log, so the pass's verdict on each check meets the torch ops' verdict
-    alone: the same violation text, or the same bits. Then every valid entry of a site at once.
-    """
+def entry_verdicts(cases, rng, picks: int, monkeypatch) -> dict[str, int]:
+    """`bandpass.apply_entries` against the replayer's torch ops, entry by entry on each site of
+    `cases` (name, y, bound): a direction entry either way, and value entries of every kind
+    (`value_choices`), at `picks` random elements, near and far from boundaries. Each is a
+    one-entry log, so the pass's verdict on each check meets the torch ops' verdict alone: the
+    same violation text, or the same bits (`same_replay`), the fused pass having applied every
+    valid one itself. Then every valid entry of a site at once. Returns how many of each
+    verdict."""
     from protocol.codec.roundinglog import SiteLog
-    rng = np.random.default_rng(seed)
     verdicts = {"ok": 0, "violation": 0}
-    for name, y, bound in sites(seed):
+    for name, y, bound in cases:
         flat = y.reshape(-1)
         if not flat.numel():
             continue
-        r = flat.to(torch.float32)
-        picks = rng.choice(flat.numel(), size=min(60, flat.numel()), replace=False)
+        r = flat.to(torch.float32).cpu()
+        chosen = rng.choice(flat.numel(), size=min(picks, flat.numel()), replace=False)
         valid_dirs, valid_values = [], []
-        for i in sorted(int(p) for p in picks):
+        for i in sorted(int(p) for p in chosen):
             index = np.array([i], dtype=np.int64)
             for up in (False, True):
                 site = SiteLog(flat.numel(), index, np.array([up]))
@@ -490,6 +498,15 @@ def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monk
                        np.array([values[i] for i in sorted(values)], dtype=np.int64))
         verdict, _ = same_replay([y], [bound], site, monkeypatch)
         assert verdict == "ok", name
+    return verdicts
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # (17 s each)
+def test_replayed_entries_are_checked_and_applied_as_by_the_torch_ops(seed, monkeypatch):
+    """`bandpass.apply_entries` (csrc/fused.cpp) against the replayer's torch ops on every hard
+    site, entry by entry and all together (`entry_verdicts`)."""
+    verdicts = entry_verdicts(sites(seed), np.random.default_rng(seed), 60, monkeypatch)
     assert verdicts["ok"] > 100 and verdicts["violation"] > 100, verdicts
 
 
@@ -510,14 +527,13 @@ def replay_in_place(y, bound, site, monkeypatch, on: bool):
     return ("ok", r.view(torch.int32), widened, y.view(torch.int64))
 
 
-@needs_fused
-def test_replayed_entries_written_back_in_one_pass_as_by_the_torch_ops(monkeypatch):
-    """A replayed result the replayer owns (`round_result_in_place`) with log entries: the
-    fused pass rounds it, checks and applies the entries and writes the result back widened in
-    one read (`apply_entries`'s `widen_back`); the torch ops do it in three. Direction and
-    value entries, valid and not, on every contiguous hard site: the same verdict (the same
-    violation text, and the result left as it was), or the same bits, with the result then
-    holding them widened."""
+def written_back_verdicts(cases, rng, picks: int, valued: int, monkeypatch) -> dict[str, int]:
+    """`round_result_in_place` of each contiguous bounded site of `cases` (name, y, bound) with
+    one-entry logs — a direction either way at `picks` random elements, every kind of value
+    entry (`value_choices`) at `valued` of them — the fused pass against the torch ops: the same
+    verdict (the same violation text, and the result left as it was), or the same bits with the
+    result then holding them widened, written by the fused pass in its one read. Returns how
+    many of each verdict."""
     from protocol.codec.roundinglog import SiteLog
     from protocol.engine import rounding
     done: list[bool] = []  # what the fused pass returned, asked to write back
@@ -529,19 +545,18 @@ def test_replayed_entries_written_back_in_one_pass_as_by_the_torch_ops(monkeypat
             done.append(applied)
         return applied
     monkeypatch.setattr(rounding, "apply_entries", spy)
-    rng = np.random.default_rng(3)
     verdicts = {"ok": 0, "violation": 0}
-    for name, y, bound in sites(3):
+    for name, y, bound in cases:
         flat = y.reshape(-1)
         if not flat.numel() or not y.is_contiguous() or bound is None:
             continue
-        r = flat.to(torch.float32)
-        picks = sorted(int(p) for p in rng.choice(flat.numel(), size=12, replace=False))
+        r = flat.to(torch.float32).cpu()
+        chosen = sorted(int(p) for p in rng.choice(flat.numel(), size=picks, replace=False))
         logs = [SiteLog(flat.numel(), np.array([i], dtype=np.int64), np.array([up]))
-                for i in picks for up in (False, True)]
+                for i in chosen for up in (False, True)]
         logs += [SiteLog(flat.numel(), np.zeros(0, dtype=np.int64), np.zeros(0, bool),
                          np.array([i], dtype=np.int64), np.array([bits], dtype=np.int64))
-                 for i in picks[:4] for bits in value_choices(r[i])]
+                 for i in chosen[:valued] for bits in value_choices(r[i])]
         for site in logs:
             done.clear()
             got = replay_in_place(y, bound, site, monkeypatch, True)
@@ -557,6 +572,16 @@ def test_replayed_entries_written_back_in_one_pass_as_by_the_torch_ops(monkeypat
             assert torch.equal(got[1], want[1]) and got[2] and want[2], name
             widened = got[1].view(torch.float32).double().view(torch.int64).view(y.shape)
             assert torch.equal(got[3], widened) and torch.equal(want[3], widened), name
+    return verdicts
+
+
+@needs_fused
+def test_replayed_entries_written_back_in_one_pass_as_by_the_torch_ops(monkeypatch):
+    """A replayed result the replayer owns (`round_result_in_place`) with log entries: the
+    fused pass rounds it, checks and applies the entries and writes the result back widened in
+    one read (`apply_entries`'s `widen_back`); the torch ops do it in three. Direction and
+    value entries, valid and not, on every contiguous hard site (`written_back_verdicts`)."""
+    verdicts = written_back_verdicts(sites(3), np.random.default_rng(3), 12, 4, monkeypatch)
     assert verdicts["ok"] > 50 and verdicts["violation"] > 50, verdicts
 
 

@@ -15,23 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from protocol.codec.roundinglog import SiteLog, encode_log
-from protocol.codec.state import state_digest
-from protocol.engine import bandpass, fused
+from protocol.engine import fused
 from protocol.engine.bandpass import nearest, round_band
 from protocol.engine.bounds import Affine, Bound
-from protocol.engine.executor import Executor
-from protocol.engine.profiles import Profile
-from protocol.engine.programs.registry import load_program
 from tests.protocol.engine.test_bandpass import (
     F64,
     POLICY,
     assert_same_pass,
+    entry_verdicts,
     hard_values,
-    replay_in_place,
-    same_replay,
+    record_steps,
+    replayed,
     sites,
-    value_choices,
+    written_back_verdicts,
 )
 
 pytestmark = [
@@ -118,87 +114,18 @@ def test_a_site_with_more_candidates_than_the_first_room_gives_them_all(monkeypa
 
 
 def test_replayed_entries_on_the_device_get_the_verdicts_and_bits_of_the_torch_ops(monkeypatch):
-    """Entry by entry on every hard site (a direction either way, value entries of every kind),
-    each a one-entry log: the kernel's verdict and bits are the torch ops' on the device; then
-    all the valid ones of a site at once, directions and values."""
-    rng = np.random.default_rng(0)
-    verdicts = {"ok": 0, "violation": 0}
-    for name, y, bound in cuda_sites(0):
-        flat = y.reshape(-1)
-        if not flat.numel():
-            continue
-        r = flat.to(torch.float32).cpu()
-        picks = sorted(int(p) for p in rng.choice(flat.numel(), size=min(25, flat.numel()),
-                                                  replace=False))
-        dirs: dict[int, bool] = {}
-        values: dict[int, int] = {}
-        for i in picks:
-            index = np.array([i], dtype=np.int64)
-            for up in (False, True):
-                site = SiteLog(flat.numel(), index, np.array([up]))
-                verdict, applied = same_replay([y], [bound], site, monkeypatch)
-                verdicts[verdict] += 1
-                if verdict == "ok":
-                    assert applied == [True] or bound is None, name
-                    dirs[i] = up
-            for bits in value_choices(r[i]):
-                site = SiteLog(flat.numel(), np.zeros(0, dtype=np.int64), np.zeros(0, bool),
-                               index, np.array([bits], dtype=np.int64))
-                verdict, applied = same_replay([y], [bound], site, monkeypatch)
-                verdicts[verdict] += 1
-                if verdict == "ok":
-                    assert applied == [True], name
-                    values.setdefault(i, bits)
-        values = {i: b for i, b in values.items() if i not in dirs}
-        site = SiteLog(flat.numel(), np.array(sorted(dirs), dtype=np.int64),
-                       np.array([dirs[i] for i in sorted(dirs)], dtype=bool),
-                       np.array(sorted(values), dtype=np.int64),
-                       np.array([values[i] for i in sorted(values)], dtype=np.int64))
-        assert same_replay([y], [bound], site, monkeypatch)[0] == "ok", name
+    """Entry by entry on every hard site, and all the valid ones of a site at once, as on the
+    CPU (`entry_verdicts`): the kernel's verdict and bits are the torch ops' on the device."""
+    verdicts = entry_verdicts(cuda_sites(0), np.random.default_rng(0), 25, monkeypatch)
     assert verdicts["ok"] > 50 and verdicts["violation"] > 50, verdicts
 
 
 def test_replayed_entries_written_back_on_the_device_as_by_the_torch_ops(monkeypatch):
-    """`round_result_in_place` with entries (`apply_entries`'s `widen_back`) on the device: the
-    same verdict as the torch ops (the result left as it was on a violation), or the same bits
-    with the result then holding them widened, by the kernels."""
-    from protocol.engine import rounding
-    done: list[bool] = []  # what the fused pass returned, asked to write back
-    real = bandpass.apply_entries
-
-    def spy(*args, widen_back=False):
-        applied = real(*args, widen_back=widen_back)
-        if widen_back and fused.ENABLED:
-            done.append(applied)
-        return applied
-    monkeypatch.setattr(rounding, "apply_entries", spy)
-    rng = np.random.default_rng(3)
-    verdicts = {"ok": 0, "violation": 0}
-    for name, y, bound in cuda_sites(3):
-        flat = y.reshape(-1)
-        if not flat.numel() or not y.is_contiguous() or bound is None:
-            continue
-        r = flat.to(torch.float32).cpu()
-        picks = sorted(int(p) for p in rng.choice(flat.numel(), size=8, replace=False))
-        logs = [SiteLog(flat.numel(), np.array([i], dtype=np.int64), np.array([up]))
-                for i in picks for up in (False, True)]
-        logs += [SiteLog(flat.numel(), np.zeros(0, dtype=np.int64), np.zeros(0, bool),
-                         np.array([i], dtype=np.int64), np.array([bits], dtype=np.int64))
-                 for i in picks[:3] for bits in value_choices(r[i])]
-        for site in logs:
-            done.clear()
-            got = replay_in_place(y, bound, site, monkeypatch, True)
-            want = replay_in_place(y, bound, site, monkeypatch, False)
-            assert got[0] == want[0], (name, got[:2], want[:2])
-            verdicts[got[0]] += 1
-            if got[0] == "violation":
-                assert got[1] == want[1], name
-                assert torch.equal(got[2], y.view(torch.int64)), name
-                continue
-            assert done == [True], name  # the kernels did it
-            assert torch.equal(got[1], want[1]) and got[2], name
-            widened = got[1].view(torch.float32).double().view(torch.int64).view(y.shape)
-            assert torch.equal(got[3], widened), name
+    """`round_result_in_place` with entries (`apply_entries`'s `widen_back`) on the device, as
+    on the CPU (`written_back_verdicts`): the same verdict as the torch ops (the result left as
+    it was on a violation), or the same bits with the result then holding them widened, written
+    by the kernels."""
+    verdicts = written_back_verdicts(cuda_sites(3), np.random.default_rng(3), 8, 3, monkeypatch)
     assert verdicts["ok"] > 20 and verdicts["violation"] > 20, verdicts
 
 
@@ -218,22 +145,10 @@ def test_whole_steps_on_the_device_log_and_land_the_same_with_the_kernels(progra
     logs, states = {}, {}
     for name in ("kernels", "torch"):
         monkeypatch.setattr(fused, "ENABLED", name == "kernels")
-        ex = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
-                      profile=Profile.parse("cuda"))
-        ex.init_state(1)
-        start = ex.state()
-        records = [ex.step().log for _ in range(2)]
-        logs[name] = [encode_log(log) for log in records]
-        states[name] = state_digest(ex.state())
-        if name != "kernels":
-            continue
-        assert len(served) > 20  # the record's sites went through the kernels
-        for profile in ("cuda", "threads=2"):
-            auditor = Executor(load_program(program, preset="test"), seed=3, policy=POLICY,
-                               profile=Profile.parse(profile))
-            auditor.load_state(start)
-            for log in records:
-                auditor.step(log)
-            assert state_digest(auditor.state()) == states[name], profile
+        start, records, logs[name], states[name] = record_steps(program, "cuda")
+        if name == "kernels":
+            assert len(served) > 20  # the record's sites went through the kernels
+            for profile in ("cuda", "threads=2"):
+                assert replayed(program, profile, start, records) == states[name], profile
     assert logs["kernels"] == logs["torch"]
     assert states["kernels"] == states["torch"]
