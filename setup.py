@@ -27,8 +27,13 @@ class OptionalBuildExtension(BuildExtension.with_options(use_ninja=False)):
         try:
             if not _shares_torchs_openmp(self.compiler.compiler_so[0]):
                 _drop_openmp(self.extensions)
-            super().build_extensions()
-        except Exception as exc:  # torch's compiler checks, before any module is built
+            try:
+                super().build_extensions()
+            except Exception as exc:  # torch's checks of the toolchain, before any module
+                if not self._drop_cuda_kernels(exc):
+                    raise
+                super().build_extensions()  # (the checks again, without CUDA's)
+        except Exception as exc:
             self.failed = list(self.extensions)
             print(f"WARNING: ovt's fused passes were not built ({exc}); ovt will use torch ops "
                   f"instead (same bits, slower record steps)", file=sys.stderr)
@@ -40,9 +45,21 @@ class OptionalBuildExtension(BuildExtension.with_options(use_ninja=False)):
             super().build_extension(ext)
         except Exception as exc:  # the compile or the link of this module
             self.failed.append(ext)
-            what = "CUDA kernels" if ext.name.endswith("_cuda") else "passes"
+            what = "CUDA kernels" if CUDA_SOURCE in ext.sources else "passes"
             print(f"WARNING: ovt's fused {what} were not built ({exc}); ovt will use torch ops "
                   f"instead there (same bits, slower steps)", file=sys.stderr)
+
+    def _drop_cuda_kernels(self, exc: Exception) -> bool:
+        """Leave the CUDA kernels out, where torch's check of the CUDA toolchain failed (nvcc's
+        version against torch's CUDA, or the host compiler against nvcc's range); whether
+        there were any to leave out."""
+        cuda = [e for e in self.extensions if CUDA_SOURCE in e.sources]
+        if not cuda:
+            return False
+        print(f"WARNING: ovt's fused CUDA kernels were not built ({exc}); CUDA sites will use "
+              f"torch ops instead (same bits, slower steps)", file=sys.stderr)
+        self.extensions = [e for e in self.extensions if e not in cuda]
+        return True
 
 
 # at::parallel_for is inline code: with ATen's OpenMP backend it runs on torch's threads only in
@@ -68,26 +85,26 @@ def _shares_torchs_openmp(compiler: str) -> bool:
 
 
 def _drop_openmp(extensions) -> None:
-    for extension in extensions:
-        args = extension.extra_compile_args
-        if isinstance(args, dict):  # (a CUDA extension's: per compiler)
-            args["cxx"] = [a for a in args["cxx"] if a not in OPENMP]
-        else:
-            extension.extra_compile_args = [a for a in args if a not in OPENMP]
+    for extension in extensions:  # (the CPU passes': the CUDA kernels' are nvcc's, without it)
+        if isinstance(extension.extra_compile_args, list):
+            extension.extra_compile_args = [a for a in extension.extra_compile_args
+                                            if a not in OPENMP]
         extension.extra_link_args = [a for a in extension.extra_link_args if a not in OPENMP]
 
 
 CSRC = Path(__file__).parent / "protocol" / "engine" / "csrc"
 SOURCE = "protocol/engine/csrc/fused.cpp"
 CUDA_SOURCE = "protocol/engine/csrc/fused_cuda.cu"
-HEADERS = [f"protocol/engine/csrc/{p.name}" for p in sorted(CSRC.glob("*.h"))]
-# Each module carries its sources' hash (every file of csrc, by name: the CUDA kernels' too,
-# built or not); protocol.engine.fused refuses one built from other sources.
-DIGEST = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir())
-                                 if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))).hexdigest()
+# Every source of the library (csrc's .cpp, .cu and .h files, by name): each module carries
+# their hash, and protocol.engine.fused refuses one built from other sources, so each module
+# depends on all of them (an edit to any rebuilds both).
+SOURCES = [f"protocol/engine/csrc/{p.name}" for p in sorted(CSRC.iterdir())
+           if p.is_file() and p.suffix in (".cpp", ".cu", ".h")]
+DIGEST = hashlib.sha256(b"".join((Path(__file__).parent / p).read_bytes()
+                                 for p in SOURCES)).hexdigest()
 # two roundings for a*b + c, as torch computes it, and no fast-math shortcuts; a square root is
 # the IEEE instruction, vectorised (no errno: a negative input gives NaN)
-CXX_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+CXX_ARGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", *OPENMP]
 NVCC_ARGS = ["-O3", "--fmad=false"]  # (no fused multiply-add on the device either)
 MACROS = [("OVT_FUSED_SOURCE", f'"{DIGEST}"')]
 # dladdr (the OWN_STANDARD_LIBRARY check) is in libdl before glibc 2.34
@@ -97,15 +114,14 @@ LIBRARIES = ["dl"] if sys.platform.startswith("linux") else []
 def extensions() -> list:
     """`_fused`, and `_fused_cuda` where it may be built (the module docstring)."""
     modules = [CppExtension("protocol.engine._fused", [SOURCE], define_macros=list(MACROS),
-                            libraries=list(LIBRARIES), extra_compile_args=[*CXX_ARGS, *OPENMP],
-                            extra_link_args=list(OPENMP), depends=[CUDA_SOURCE, *HEADERS])]
+                            libraries=list(LIBRARIES), extra_compile_args=list(CXX_ARGS),
+                            extra_link_args=list(OPENMP), depends=list(SOURCES))]
     if torch.version.cuda is not None and CUDA_HOME is not None and \
-            os.environ.get("OVT_CUDA") != "0":
+            Path(CUDA_HOME, "bin", "nvcc").exists() and os.environ.get("OVT_CUDA") != "0":
         modules.append(CUDAExtension("protocol.engine._fused_cuda", [CUDA_SOURCE],
                                      define_macros=list(MACROS), libraries=list(LIBRARIES),
-                                     extra_compile_args={"cxx": list(CXX_ARGS),
-                                                         "nvcc": NVCC_ARGS},
-                                     depends=[SOURCE, *HEADERS]))
+                                     extra_compile_args={"nvcc": list(NVCC_ARGS)},
+                                     depends=list(SOURCES)))
     return modules
 
 

@@ -46,20 +46,31 @@ def _digest() -> str | None:
 
 def _load(name: str = "_fused") -> tuple[ModuleType | None, str | None]:
     """Load a module of the library (`_fused`, the CPU passes, or `_fused_cuda`, their CUDA
-    kernels, which importing registers): (it, None), or (None, why it cannot be used)."""
+    kernels, which importing registers): (it, None), or (None, why it cannot be used). A module
+    built from other sources is refused before it is loaded: loading registers its operators,
+    which aborts the process where one's signature has changed since."""
+    spec = importlib.util.find_spec(f"protocol.engine.{name}")
+    if spec is None or spec.origin is None:
+        return None, f"protocol.engine.{name} is not built"
+    digest = _digest()
+    if digest is not None and not _built_from(spec.origin, digest):
+        return None, f"{name} was built from another version of its sources ({_SOURCES})"
     try:
         library = importlib.import_module(f"protocol.engine.{name}")
-    except (ImportError, OSError, RuntimeError) as exc:  # not built, or not loadable here
+    except (ImportError, OSError, RuntimeError) as exc:  # not loadable here
         return None, str(exc)
-    digest = _digest()
-    if digest is not None and getattr(library, "SOURCE", None) != digest:
-        return None, f"{name} was built from another version of its sources ({_SOURCES})"
     if getattr(library, "OWN_STANDARD_LIBRARY", 1):
         return None, (f"{name} was linked with its own copy of the C++ standard library, "
                       "as a compiler that finds libstdc++.a and no libstdc++.so does (install "
                       "its libstdc++ development package): a failing check's message would "
                       "crash the process")
     return library, None
+
+
+def _built_from(path: str, digest: str) -> bool:
+    """Whether the built module at `path` carries the sources' hash `digest` (setup.py writes
+    it into each module as a string: its `SOURCE`), read from the file, unloaded."""
+    return digest.encode() in Path(path).read_bytes()
 
 
 def _load_cuda_kernels() -> bool:
@@ -71,7 +82,8 @@ def _load_cuda_kernels() -> bool:
     kernels, why = _load("_fused_cuda")
     if kernels is None:
         warnings.warn(f"ovt: the fused passes' CUDA kernels are not used ({why}); CUDA sites "
-                      f"take torch ops instead: the same bits, slower steps", RuntimeWarning,
+                      f"take torch ops instead: the same bits, slower steps. Reinstalling "
+                      f"(pip install -e .) with nvcc present builds them.", RuntimeWarning,
                       stacklevel=2)
     return kernels is not None
 

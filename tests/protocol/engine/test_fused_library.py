@@ -29,15 +29,34 @@ SOURCE = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCES.iterdir(
                                  if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))).hexdigest()
 
 
-def load_with(monkeypatch, library: types.ModuleType):
-    """`fused._load()` where importing the library gives `library`."""
-    real = importlib.import_module
+def built(monkeypatch, tmp_path, modules: dict) -> list[str]:
+    """Have `fused` find and import `modules` (name, `_fused` or `_fused_cuda` -> a module, or
+    None: not built) in place of the library's: each is a file under `tmp_path` holding its
+    SOURCE, as setup.py writes the hash into a built module, and importing it gives the module.
+    Returns the names of those imported, as they are."""
+    imported: list[str] = []
+    real_find, real_import = importlib.util.find_spec, importlib.import_module
+
+    def find(name, package=None):
+        short = name.rsplit(".", 1)[-1]
+        if short not in modules:
+            return real_find(name, package)
+        if modules[short] is None:
+            return None
+        path = tmp_path / f"{short}.so"
+        path.write_bytes(b"\x7fELF\0" + modules[short].SOURCE.encode() + b"\0")
+        return types.SimpleNamespace(name=name, origin=str(path))
 
     def fake(name, package=None):
-        return library if name == "protocol.engine._fused" else real(name, package)
+        short = name.rsplit(".", 1)[-1]
+        if short in modules:
+            imported.append(short)
+            return modules[short]
+        return real_import(name, package)
 
+    monkeypatch.setattr(fused.importlib.util, "find_spec", find)
     monkeypatch.setattr(fused.importlib, "import_module", fake)
-    return fused._load()
+    return imported
 
 
 def library(**attributes) -> types.ModuleType:
@@ -46,52 +65,59 @@ def library(**attributes) -> types.ModuleType:
     return module
 
 
-def test_a_library_on_the_standard_library_of_the_process_is_used(monkeypatch):
-    got, why = load_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0))
+def test_a_library_on_the_standard_library_of_the_process_is_used(monkeypatch, tmp_path):
+    built(monkeypatch, tmp_path, {"_fused": library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0)})
+    got, why = fused._load()
     assert why is None and got is not None
 
 
-def test_a_library_built_from_other_sources_is_refused(monkeypatch):
+def test_a_library_built_from_other_sources_is_refused_unloaded(monkeypatch, tmp_path):
     """The hash covers every source of the library (setup.py's), the shared header and the
-    CUDA kernels' too: an edit to any of them that was not rebuilt is noticed."""
+    CUDA kernels' too: an edit to any of them that was not rebuilt is noticed, from the built
+    file, before it is loaded (loading registers operators whose signatures may have changed,
+    which aborts the process)."""
     assert fused._digest() == SOURCE
-    got, why = load_with(monkeypatch, library(SOURCE="0" * 64, OWN_STANDARD_LIBRARY=0))
-    assert got is None and "another version of its sources" in why
+    imported = built(monkeypatch, tmp_path,
+                     {"_fused": library(SOURCE="0" * 64, OWN_STANDARD_LIBRARY=0)})
+    got, why = fused._load()
+    assert got is None and "another version of its sources" in why and not imported
 
 
-def test_a_library_with_its_own_standard_library_is_refused(monkeypatch):
-    got, why = load_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1))
+def test_a_library_with_its_own_standard_library_is_refused(monkeypatch, tmp_path):
+    built(monkeypatch, tmp_path, {"_fused": library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1)})
+    got, why = fused._load()
     assert got is None and "its own copy of the C++ standard library" in why
 
 
-def cuda_kernels_with(monkeypatch, kernels: types.ModuleType | None) -> bool:
+def test_a_library_not_built_is_reported(monkeypatch, tmp_path):
+    built(monkeypatch, tmp_path, {"_fused": None})
+    got, why = fused._load()
+    assert got is None and "not built" in why
+
+
+def cuda_kernels_with(monkeypatch, tmp_path, kernels: types.ModuleType | None
+                      ) -> tuple[bool, list[str]]:
     """`fused._load_cuda_kernels()` where `_fused` is loaded and `_fused_cuda` is `kernels`
-    (None: not built)."""
-    real_find, real_import = importlib.util.find_spec, importlib.import_module
-
-    def find(name, package=None):
-        if name == "protocol.engine._fused_cuda":
-            return None if kernels is None else types.SimpleNamespace(name=name)
-        return real_find(name, package)
-
-    def fake(name, package=None):
-        return kernels if name == "protocol.engine._fused_cuda" else real_import(name, package)
-
+    (None: not built), and whether it was imported."""
     monkeypatch.setattr(fused, "_LIBRARY", library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0))
-    monkeypatch.setattr(fused.importlib.util, "find_spec", find)
-    monkeypatch.setattr(fused.importlib, "import_module", fake)
-    return fused._load_cuda_kernels()
+    imported = built(monkeypatch, tmp_path, {"_fused_cuda": kernels})
+    return fused._load_cuda_kernels(), imported
 
 
-def test_the_cuda_kernels_are_used_where_built_from_these_sources(monkeypatch, recwarn):
-    assert cuda_kernels_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0))
-    assert not cuda_kernels_with(monkeypatch, None)  # not built (CPU torch, no nvcc): quietly
+def test_the_cuda_kernels_are_used_where_built_from_these_sources(monkeypatch, tmp_path,
+                                                                 recwarn):
+    assert cuda_kernels_with(monkeypatch, tmp_path,
+                             library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=0)) == (True,
+                                                                                 ["_fused_cuda"])
+    # not built (a CPU torch, no nvcc): quietly
+    assert cuda_kernels_with(monkeypatch, tmp_path, None) == (False, [])
     assert not recwarn.list
     with pytest.warns(RuntimeWarning, match="CUDA kernels are not used .*another version"):
-        assert not cuda_kernels_with(monkeypatch, library(SOURCE="0" * 64,
-                                                          OWN_STANDARD_LIBRARY=0))
+        stale = library(SOURCE="0" * 64, OWN_STANDARD_LIBRARY=0)
+        assert cuda_kernels_with(monkeypatch, tmp_path, stale) == (False, [])  # (unloaded)
     with pytest.warns(RuntimeWarning, match="its own copy of the C\\+\\+ standard library"):
-        assert not cuda_kernels_with(monkeypatch, library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1))
+        static = library(SOURCE=SOURCE, OWN_STANDARD_LIBRARY=1)
+        assert not cuda_kernels_with(monkeypatch, tmp_path, static)[0]
 
 
 def test_the_installed_library_calls_the_standard_library_of_the_process():
@@ -101,6 +127,8 @@ def test_the_installed_library_calls_the_standard_library_of_the_process():
     except (ImportError, OSError) as exc:
         pytest.skip(f"the library is not built here: {exc}")
     assert _fused.OWN_STANDARD_LIBRARY == 0
+    assert fused._built_from(_fused.__file__, SOURCE)  # (the hash as setup.py writes it)
+    assert not fused._built_from(_fused.__file__, "0" * 64)
 
 
 @pytest.mark.slow  # (builds the library twice, about a minute on 2 cores)
