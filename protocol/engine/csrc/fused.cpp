@@ -27,7 +27,8 @@
 // - philox, the words of a portable random stream (rng.py `RandomStream.words`).
 //
 // Compiled with -ffp-contract=off: `scale * base + floor` must be two roundings, as in torch,
-// never one fused multiply-add.
+// never one fused multiply-add. The band passes' element arithmetic (an element's bound, the band
+// test, an entry's check) is band.h's, which the CUDA kernels (fused_cuda.cu) share.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -669,7 +670,8 @@ bool entry_roundings(const Spec& s, const double* yp, const float* rp, int64_t n
   }
   for (int64_t k = 0; k < vals; ++k) {
     if (mine(val[k])) {
-      out.emplace_back(val[k] - offset, as_float(static_cast<int32_t>(static_cast<uint32_t>(bits[k]))));
+      const auto pattern = static_cast<int32_t>(static_cast<uint32_t>(bits[k]));
+      out.emplace_back(val[k] - offset, as_float(pattern));
     }
   }
   return true;

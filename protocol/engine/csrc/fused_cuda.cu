@@ -2,11 +2,12 @@
 // and apply_entries for a site's values in GPU memory, with the CPU passes' decisions element
 // for element (band.h, shared with fused.cpp; built with --fmad=false, so that
 // `scale * base + floor` is two roundings, as in torch). The band pass and `nearest` are one
-// kernel over the values where the torch ops launch a dozen; `apply_entries` one kernel over the
-// entries to check them, and only where all are valid one or two to write them. Registered for
-// the CUDA dispatch key by the module `_fused_cuda`, which setup.py builds where nvcc and a CUDA
-// build of torch are present, and fused.py imports after `_fused` (whose schemas these
-// implement).
+// kernel over the values where the torch ops launch a dozen (the band pass one more to widen
+// the values back, where asked); `apply_entries` one kernel over the entries to check them, and
+// only where all are valid up to three to write them (the rounding where asked, directions,
+// values). Registered for the CUDA dispatch key by the module `_fused_cuda`, which setup.py
+// builds where nvcc and a CUDA build of torch are present, and fused.py imports after `_fused`
+// (whose schemas these implement).
 //
 // What comes back to the host is small: a site's candidates (a superset of its band, a few per
 // ten thousand elements) and, in replay, whether its entries are valid. Each pass reads that
