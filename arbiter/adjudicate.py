@@ -46,7 +46,7 @@ from protocol.dispute.reexecute import (
     withheld,
 )
 from protocol.dispute.verdict import Verdict, sign_verdict
-from protocol.engine.profiles import Profile
+from protocol.engine.profiles import Profile, plain_profile
 from protocol.errors import ArbiterError, ConfigError, NoAnswer, OvtError
 from protocol.job.create import load_job_program
 from protocol.job.spec import JobSpec
@@ -86,7 +86,7 @@ class Adjudication:
 def default_profile() -> Profile:
     """The profile the arbiter re-executes under unless told otherwise (SPEC §5.3: on its own
     hardware, CPU or GPU): `cuda` where a CUDA device exists, else `cpu-2t`."""
-    return Profile.parse("cuda" if torch.cuda.is_available() else "cpu-2t")
+    return plain_profile("cuda" if torch.cuda.is_available() else "cpu", 2)
 
 
 def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Party, *,

@@ -37,7 +37,7 @@ from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.dispute.evidence import recheck_evidence, save_evidence
 from protocol.dispute.verdict import summary, verify_verdict
-from protocol.engine.profiles import Profile
+from protocol.engine.profiles import Profile, plain_profile
 from protocol.engine.programs.registry import require_allowed
 from protocol.errors import ConfigError, EncodingError, VerdictError
 from protocol.files import atomic_write
@@ -150,7 +150,7 @@ def profile_of(args) -> Profile:
             profile = dataclasses.replace(profile, name=f"{profile.name}+device={args.device}",
                                           device=args.device)
     elif args.device is not None:
-        profile = Profile.parse("cuda" if args.device == "cuda" else "cpu-2t")
+        profile = plain_profile(args.device, 2)
     else:
         profile = default_profile()
     profile.check_runnable()

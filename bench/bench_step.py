@@ -29,8 +29,9 @@ meaningless, so the check is printed too.
     python bench/bench_step.py --device cuda         # every role on a CUDA device
 
 On CUDA every role runs under the `cuda` profile, whose steps pin TF32, reduced-precision
-reductions and cuDNN off (plain32 included: IEEE float32 arithmetic), and record-torch equals
-record: the fused passes are CPU kernels, CUDA always takes the torch ops.
+reductions and cuDNN off (plain32 included: IEEE float32 arithmetic); record and replay use the
+band passes' CUDA kernels where they are built (`fused.CUDA_KERNELS`), record-torch the torch
+ops, and the header says which ran.
 """
 
 from __future__ import annotations

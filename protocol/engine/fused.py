@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import os
 import warnings
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -34,9 +35,11 @@ import torch
 _SOURCES = Path(__file__).with_name("csrc")
 
 
+@cache
 def _digest() -> str | None:
     """The sha256 of the library's sources as setup.py takes it (every .cpp, .cu and .h file of
-    csrc, by name), or None where they are not installed beside this module."""
+    csrc, by name), or None where they are not installed beside this module; read once (both
+    modules are checked against it)."""
     files = sorted(p for p in _SOURCES.glob("*") if p.is_file() and
                    p.suffix in (".cpp", ".cu", ".h")) if _SOURCES.is_dir() else []
     if not files:
