@@ -213,21 +213,22 @@ def _abs_keyword(value):
 def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Euclidean norms along `dim`, in float64 whatever the compute dtype: in float32 the
     squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
-    cannot. Along a dimension adjacent in memory `vector_norm`; along any other (a transposed
-    view's rows, a matrix's columns), where `vector_norm` is several times slower on the CPU,
-    one C++ pass over a view of at most three dimensions (`torch.ops.ovt.norms`: the squares
-    summed along `dim` into float64 accumulators, adjacent results together, no squared copy)
-    where the library is loaded (`fused.own_arithmetic`); else the squares summed with torch
-    ops — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the
-    block sums added up, so that the squares stay in the cache. Any order of the sum is within
-    the reduction rule's own error, which `SAFETY` covers."""
+    cannot. Where the library is loaded (`fused.own_arithmetic`), one C++ pass over a view of at
+    most three dimensions (`torch.ops.ovt.norms`, no squared copy: a row adjacent in memory in
+    float64 lanes, at several times `vector_norm`'s speed on the CPU; along any other dimension,
+    a transposed view's rows or a matrix's columns, the squares summed along `dim` into float64
+    accumulators, adjacent results together). Else along a dimension adjacent in memory
+    `vector_norm`; along any other the squares summed with torch ops — on the CPU from
+    `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the block sums added up, so
+    that the squares stay in the cache. Any order of the sum is within the reduction rule's own
+    error, which `SAFETY` covers."""
+    if fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32):
+        layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
+        if layout is not None:
+            kept = x.shape[:dim] + x.shape[dim + 1:]
+            return torch.ops.ovt.norms(x, *layout).reshape(kept)
     if x.stride(dim) == 1 or x.shape[dim] == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
-    layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
-    if layout is not None and fused.own_arithmetic(x) and x.dtype in (torch.float64,
-                                                                       torch.float32):
-        kept = x.shape[:dim] + x.shape[dim + 1:]
-        return torch.ops.ovt.norms(x, *layout).reshape(kept)
     if x.numel() < _NORMS_BLOCKED or not x.is_cpu:  # (on CUDA: one kernel, not hundreds)
         wide = x.to(torch.float64)
         return (wide * wide).sum(dim).sqrt()
@@ -1443,15 +1444,15 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     `unit_roundoff` is the compute dtype's u: a composite op's rule holds where its
     first-order error is at most `_COMPOSITE_LIMIT`, which depends on it, the row length and,
     for softmax and norm statistics, the rows' extremes (a decision on shapes and input values,
-    which every party holds bit for bit, so every party decides alike)."""
-    if func in _PRIMS:
-        return _PRIMS[func]
+    which every party holds bit for bit, so every party decides alike). The answer for an op
+    whose rule reads no argument is kept (`_FIXED_RULES`): the interceptor asks at every site."""
+    fixed = _FIXED_RULES.get(id(func))
+    if fixed is not None:
+        return fixed[1]
     if func == normops.NORM_STATS:
         return _norm_stats_rule(args, unit_roundoff)
     if func == normops.NORM_BACKWARD_STATS:
         return _norm_backward_stats_rule(args, unit_roundoff)
-    if func in (normops.NORMALIZE, normops.NORMALIZE_BACKWARD):  # IEEE operations (`normops`)
-        return FIXED_FORMULA
     name = func.overloadpacket.__name__
     composite = _COMPOSITE.get(name)
     if composite is not None:
@@ -1466,11 +1467,23 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     rule = _RULES.get(name)
     if rule is not None and rule.name == "axpy" and _arg(args, kwargs, 2, "alpha", 1) == 1:
         return _ZERO  # one IEEE add or subtract: nothing to read
-    if name in ("index_put", "index_put_") and not _arg(args, kwargs, 3, "accumulate", False):
+    if name in _INDEX_PUTS and not _arg(args, kwargs, 3, "accumulate", False):
         return None  # index_put without accumulate is exact (optable)
     if name in ("div", "div_") and _arg(args, kwargs, 2, "rounding_mode", None) is not None:
         return None  # floor/trunc division: no rule (a floor amplifies any error)
+    if family not in _ROOTS and family not in _QUOTIENTS and name not in _INDEX_PUTS and \
+            (rule is None or rule.name != "axpy"):  # none of the branches above read args
+        _FIXED_RULES[id(func)] = (func, rule)
     return rule
+
+
+# Rules that `rule_of` found without reading a call's arguments, by the op's identity: each
+# entry holds its op, so that the id stays its own (overloads live as long as torch's registry).
+_FIXED_RULES: dict[int, tuple[torch._ops.OpOverload, Rule | None]] = {
+    id(func): (func, rule) for func, rule in (
+        *_PRIMS.items(), (normops.NORMALIZE, FIXED_FORMULA),
+        (normops.NORMALIZE_BACKWARD, FIXED_FORMULA))}  # (IEEE operations: `normops`)
+_INDEX_PUTS = frozenset({"index_put", "index_put_"})
 
 
 def _roots_round_correctly(args: tuple, unit_roundoff: float) -> bool:

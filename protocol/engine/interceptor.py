@@ -338,12 +338,17 @@ class RoundingMode(TorchDispatchMode):
         self.policy, self.rounder, self.compute = policy, rounder, compute
         self.randomness = randomness
         self._round_scalar = policy.scalar_rounder
+        self._unit_roundoff = policy.unit_roundoff
         self._widened = WidenCache(policy.compute)
         self._bounds = BoundContext(policy)
+        # asked at every site: looked up once (`_bounds_needed`, `_round_result`, the fused paths)
+        self._needed = getattr(rounder, "bounds_needed", None)
+        self._in_place = getattr(type(rounder), "rounds_in_place", False)
+        self._claim = getattr(rounder, "claim_exact_site", None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        plan = _plan_of(func)
+        plan = _PLANS.get(id(func)) or _plan_of(func)
         kind = plan.kind
         if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
             with self:
@@ -353,7 +358,8 @@ class RoundingMode(TorchDispatchMode):
                 out = self._narrowing_copy(func, args, kwargs)
             else:
                 out = func(*args, **kwargs)
-            self._forget_writes(plan, args, kwargs)
+            if plan.positions or plan.names:
+                self._forget_writes(plan, args, kwargs)
             return out
         return self._float_op(plan, func, args, kwargs)
 
@@ -377,8 +383,7 @@ class RoundingMode(TorchDispatchMode):
             if done is not None:
                 return done[0]
         fixed = plan.fixed
-        rule = FIXED_FORMULA if fixed else \
-            rule_of(func, args, kwargs, self.policy.unit_roundoff)
+        rule = FIXED_FORMULA if fixed else rule_of(func, args, kwargs, self._unit_roundoff)
         if rule is None and self._reads_floats(args, kwargs):
             return self._decompose(func, args, kwargs)
         if rule is not None and rule.elementwise and not fixed and not kwargs:
@@ -395,8 +400,8 @@ class RoundingMode(TorchDispatchMode):
         wide_args = tuple(self._widen(func, a, i in positions, writes, found)
                           for i, a in enumerate(args))
         wide_kwargs = {k: self._widen(func, v, k in names, writes, found)
-                       for k, v in kwargs.items()}
-        requested = self._requested_dtype(func, kwargs)
+                       for k, v in kwargs.items()} if kwargs else {}
+        requested = self._requested_dtype(func, kwargs) if kwargs else None
         if requested == self.policy.target:  # a factory or reduction asked for the target dtype
             wide_kwargs["dtype"], found[0] = self.policy.compute, True
         if not any(found):
@@ -447,7 +452,7 @@ class RoundingMode(TorchDispatchMode):
         every site's wide values, or a replayer whose log has entries here (a violation it
         reports with the values), declines."""
         policy = self.policy
-        claim = getattr(self.rounder, "claim_exact_site", None)
+        claim = self._claim
         foreach, in_place = plan.foreach, plan.in_place
         if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32) \
                 or plan.func._overloadname.endswith("out"):  # (an out= form writes its `out`)
@@ -483,7 +488,7 @@ class RoundingMode(TorchDispatchMode):
         `(result,)`, or None where that pass does not serve (then the widened path computes the
         same bits). The rounder claims the site first, as for `_fused_pointwise`."""
         policy = self.policy
-        claim = getattr(self.rounder, "claim_exact_site", None)
+        claim = self._claim
         if claim is None or (policy.compute, policy.target) != (torch.float64, torch.float32):
             return None
         run = normops.fused_formula(plan.func, args)
@@ -660,8 +665,7 @@ class RoundingMode(TorchDispatchMode):
                                    keep_compute=self.policy.target not in made)
 
     def _bounds_needed(self) -> bool:
-        needed = getattr(self.rounder, "bounds_needed", None)
-        return needed is None or needed()
+        return self._needed is None or self._needed()
 
     def _widen_exact(self, value):
         if isinstance(value, torch.Tensor) and not value.is_floating_point() \
@@ -761,9 +765,8 @@ class RoundingMode(TorchDispatchMode):
         With `unsigned_zero` the caller adds +0 to the rounding (in place, which
         inside the mode bumps no version counter), so `y` gets the same first: −0 + 0 = +0 in
         either dtype, every other value (and the widening of each) as it is."""
-        if not (getattr(type(self.rounder), "rounds_in_place", False) and y.is_contiguous()
-                and y.numel() and self._widened.fits(_bytes(y))
-                and not _shares_storage(y, inputs)):
+        if not (self._in_place and y.is_contiguous() and y.numel()
+                and self._widened.fits(_bytes(y)) and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \
             bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y])[0]

@@ -68,27 +68,30 @@ constexpr int64_t kGrain = 1 << 15;
 constexpr int32_t kQuietNaN32 = 0x7FC00000;
 
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
-// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and tells
-// whether any element of the block is in the band; only such a block (rare) is tested again,
-// element by element, for its indices.
+// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and each
+// element's band test into `flags`, and tells whether any element of the block is in the band;
+// only such a block is read again, its flags (not its elements: the matmul family's
+// Cauchy–Schwarz bounds put a candidate in a good share of blocks, and testing each element
+// again, branch by branch, cost more than the vectorised pass) for its indices.
 template <typename Base>
 __attribute__((always_inline)) inline void scan_range(const double* y, float* r, int64_t begin,
                                                       int64_t end, double scale, double floor,
                                                       Base base, std::vector<int64_t>& out) {
   constexpr int64_t kBlock = 256;
   const double floor54 = floor * kBandScale;
+  int64_t flags[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
     int64_t any = 0;
     for (int64_t k = 0; k < n; ++k) {
       const double v = y[b + k];
       r[b + k] = static_cast<float>(v);
-      any |= in_band(v, scaled_bound(scale * base(b + k, v), floor54));
+      flags[k] = in_band(v, scaled_bound(scale * base(b + k, v), floor54));
+      any |= flags[k];
     }
     if (any) {
       for (int64_t k = 0; k < n; ++k) {
-        const double v = y[b + k];
-        if (in_band(v, scaled_bound(scale * base(b + k, v), floor54))) out.push_back(b + k);
+        if (flags[k] != 0) out.push_back(b + k);
       }
     }
   }
@@ -722,68 +725,6 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
 // (`bounds.SAFETY` covers a sum's own rounding). Each sum here runs in one fixed order, whatever
 // the thread count: the same bits on every run and machine.
 
-// acc[c] += row[c]^2 for c < count, in float64.
-template <typename T>
-OVT_CLONES void add_squares(const T* __restrict__ row, double* __restrict__ acc, int64_t count) {
-  for (int64_t c = 0; c < count; ++c) {
-    const double v = row[c];
-    acc[c] += v * v;
-  }
-}
-
-// out[a, c] = sqrt(sum over k of x[a, k, c]^2), x read through the strides (sa, sk, sc) from xp,
-// summed in k order in float64; parallel over blocks of c within each a.
-template <typename T>
-void norms_run(const T* xp, double* out, int64_t outer, int64_t reduced, int64_t inner,
-               int64_t sa, int64_t sk, int64_t sc) {
-  const int64_t width = std::min<int64_t>(std::max<int64_t>(inner, 1), 256);
-  const int64_t blocks = (inner + width - 1) / width;
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced * width, 1));
-  at::parallel_for(0, outer * blocks, grain, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t a = item / blocks, c0 = (item % blocks) * width;
-      const int64_t c1 = std::min(inner, c0 + width);
-      double* acc = out + a * inner;
-      for (int64_t c = c0; c < c1; ++c) acc[c] = 0.0;
-      const T* base = xp + a * sa;
-      for (int64_t k = 0; k < reduced; ++k) {
-        const T* row = base + k * sk;
-        if (sc == 1) {
-          add_squares(row + c0, acc + c0, c1 - c0);
-        } else {
-          for (int64_t c = c0; c < c1; ++c) {
-            const double v = row[c * sc];
-            acc[c] += v * v;
-          }
-        }
-      }
-      for (int64_t c = c0; c < c1; ++c) acc[c] = std::sqrt(acc[c]);
-    }
-  });
-}
-
-// The Euclidean norms of x viewed as (outer, reduced, inner) with strides (sa, sk, sc) from its
-// storage offset, over `reduced`: a contiguous float64 tensor of outer x inner.
-at::Tensor norms(const at::Tensor& x, int64_t outer, int64_t reduced, int64_t inner, int64_t sa,
-                 int64_t sk, int64_t sc) {
-  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.device().is_cpu(),
-              "norms: x must be a float64 or float32 CPU tensor");
-  TORCH_CHECK(outer >= 0 && reduced >= 0 && inner >= 0, "norms: negative sizes");
-  if (outer * reduced * inner > 0) {  // the largest offset read must lie in x's storage
-    const int64_t last = (outer - 1) * sa + (reduced - 1) * sk + (inner - 1) * sc;
-    TORCH_CHECK(sa >= 0 && sk >= 0 && sc >= 0 && x.storage_offset() + last <
-                    static_cast<int64_t>(x.storage().nbytes() / x.element_size()),
-                "norms: the view reaches outside x's storage");
-  }
-  at::Tensor out = at::empty({outer, inner}, x.options().dtype(at::kDouble));
-  if (x.dtype() == at::kDouble) {
-    norms_run(x.data_ptr<double>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
-  } else {
-    norms_run(x.data_ptr<float>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
-  }
-  return out;
-}
-
 // Four float64 lanes (GCC and clang vector extensions): the sums below are written in them, in
 // interleaved partial sums, since the compiler does not reorder a sum itself (-fno-fast-math).
 // (Each helper is inlined, so no Lanes value crosses a call: GCC's note that one would pass
@@ -838,6 +779,95 @@ template <typename T>
 OVT_CLONES double magnitude_sum(const T* __restrict__ x, int64_t n) {
   return lane_sum(n, [x](int64_t j) { return abs_lanes(load_lanes(x + j)); },
                   [x](int64_t j) { return std::fabs(static_cast<double>(x[j])); });
+}
+
+// acc[c] += row[c]^2 for c < count, in float64.
+template <typename T>
+OVT_CLONES void add_squares(const T* __restrict__ row, double* __restrict__ acc, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) {
+    const double v = row[c];
+    acc[c] += v * v;
+  }
+}
+
+// Σ x_j² for j < n in float64 (`lane_sum`).
+template <typename T>
+OVT_CLONES double square_sum(const T* __restrict__ x, int64_t n) {
+  return lane_sum(n,
+                  [x](int64_t j) {
+                    const Lanes v = load_lanes(x + j);
+                    return v * v;
+                  },
+                  [x](int64_t j) {
+                    const double v = x[j];
+                    return v * v;
+                  });
+}
+
+// out[a, c] = sqrt(sum over k of x[a, k, c]^2), x read through the strides (sa, sk, sc) from xp,
+// in float64. Where k steps by one (a row in memory: a linear layer's inputs, its weights'
+// rows) each norm is one `square_sum`, in its lane order, parallel over the rows (`vector_norm`
+// read these at about 6 GB/s on the development machine); else in k order, adjacent columns
+// together, parallel over blocks of c within each a.
+template <typename T>
+void norms_run(const T* xp, double* out, int64_t outer, int64_t reduced, int64_t inner,
+               int64_t sa, int64_t sk, int64_t sc) {
+  if (sk == 1) {  // each (a, c) a contiguous run of `reduced`: out holds them in that order
+    at::parallel_for(0, outer * inner, std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced, 1)),
+                     [&](int64_t first, int64_t last) {
+      for (int64_t item = first; item < last; ++item) {
+        const T* row = xp + (item / inner) * sa + (item % inner) * sc;
+        out[item] = std::sqrt(square_sum(row, reduced));
+      }
+    });
+    return;
+  }
+  const int64_t width = std::min<int64_t>(std::max<int64_t>(inner, 1), 256);
+  const int64_t blocks = (inner + width - 1) / width;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced * width, 1));
+  at::parallel_for(0, outer * blocks, grain, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t a = item / blocks, c0 = (item % blocks) * width;
+      const int64_t c1 = std::min(inner, c0 + width);
+      double* acc = out + a * inner;
+      for (int64_t c = c0; c < c1; ++c) acc[c] = 0.0;
+      const T* base = xp + a * sa;
+      for (int64_t k = 0; k < reduced; ++k) {
+        const T* row = base + k * sk;
+        if (sc == 1) {
+          add_squares(row + c0, acc + c0, c1 - c0);
+        } else {
+          for (int64_t c = c0; c < c1; ++c) {
+            const double v = row[c * sc];
+            acc[c] += v * v;
+          }
+        }
+      }
+      for (int64_t c = c0; c < c1; ++c) acc[c] = std::sqrt(acc[c]);
+    }
+  });
+}
+
+// The Euclidean norms of x viewed as (outer, reduced, inner) with strides (sa, sk, sc) from its
+// storage offset, over `reduced`: a contiguous float64 tensor of outer x inner.
+at::Tensor norms(const at::Tensor& x, int64_t outer, int64_t reduced, int64_t inner, int64_t sa,
+                 int64_t sk, int64_t sc) {
+  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.device().is_cpu(),
+              "norms: x must be a float64 or float32 CPU tensor");
+  TORCH_CHECK(outer >= 0 && reduced >= 0 && inner >= 0, "norms: negative sizes");
+  if (outer * reduced * inner > 0) {  // the largest offset read must lie in x's storage
+    const int64_t last = (outer - 1) * sa + (reduced - 1) * sk + (inner - 1) * sc;
+    TORCH_CHECK(sa >= 0 && sk >= 0 && sc >= 0 && x.storage_offset() + last <
+                    static_cast<int64_t>(x.storage().nbytes() / x.element_size()),
+                "norms: the view reaches outside x's storage");
+  }
+  at::Tensor out = at::empty({outer, inner}, x.options().dtype(at::kDouble));
+  if (x.dtype() == at::kDouble) {
+    norms_run(x.data_ptr<double>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
+  } else {
+    norms_run(x.data_ptr<float>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
+  }
+  return out;
 }
 
 // Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)

@@ -1419,6 +1419,37 @@ def test_alpha_scaled_add_is_not_given_the_zero_rule():
     assert SAFETY == 2.0
 
 
+def test_rule_of_answers_alike_in_any_call_order():
+    """`rule_of` keeps the answer of an op whose rule reads no argument (`_FIXED_RULES`): an op
+    whose rule does read them must never be kept. Each op is asked with arguments that give
+    different rules, alternately, the answers checked against those of the first round."""
+    x32, x64 = torch.ones(3), t64(np.ones(3))
+    bf16 = torch.ones(3, dtype=torch.bfloat16)
+    calls = [
+        (aten.add.Tensor, (x64, x64), {}), (aten.add.Tensor, (x64, x64), {"alpha": 2}),
+        (aten.sqrt.default, (x32,), {}), (aten.sqrt.default, (bf16,), {}),
+        (aten.div.Tensor, (x32, x32), {}), (aten.div.Tensor_mode, (x64, x64),
+                                             {"rounding_mode": "floor"}),
+        (aten.div.Tensor, (x64, 3.0), {}),
+        (aten.index_put.default, (x64, [torch.tensor([0])], x64[:1], False), {}),
+        (aten.index_put.default, (x64, [torch.tensor([0])], x64[:1], True), {}),
+        (aten.mm.default, (x64.reshape(3, 1), x64.reshape(1, 3)), {}),
+        (aten.exp.default, (x64,), {}),
+    ]
+
+    def answers() -> list[str | None]:
+        return [getattr(rule_of(func, args, kwargs), "name", None)
+                for func, args, kwargs in calls]
+    first = answers()
+    assert first[0] == "zero" and first[1] == "axpy"
+    assert first[2] != first[3] and first[4] != first[6] and first[5] is None
+    assert first[7] is None and first[8] is not None
+    for _ in range(2):
+        assert answers() == first
+        assert [getattr(rule_of(func, args, kwargs), "name", None)
+                for func, args, kwargs in reversed(calls)] == first[::-1]
+
+
 # -- slow: huge K and exhaustive sweeps -----------------------------------------------------------
 
 @pytest.mark.slow
@@ -1526,7 +1557,8 @@ def test_blocked_norms_are_the_norms(shape, dim, transpose, own_arithmetic):
 
 
 def _norm_views():
-    """(name, view, dim): the layouts `_norms` meets — transposed and batched operands,
+    """(name, view, dim): the layouts `_norms` meets — rows adjacent in memory (one run each,
+    lengths not a multiple of the C++ pass's eight lanes), transposed and batched operands,
     permuted, sliced, expanded (stride 0), of four dimensions, float32 (the bfloat16 policy's
     compute dtype), empty — with values of many magnitudes, zeros, an infinity and a NaN."""
     g = torch.Generator().manual_seed(5)
@@ -1541,6 +1573,9 @@ def _norm_views():
     special = values(30, 20)
     special[3, 4], special[7, 9] = math.inf, math.nan
     return [
+        ("rows", a, 1), ("batched-rows", b, 2), ("sliced-rows", a[::2, 3:], 1),
+        ("rows-unmerged", b.transpose(0, 1), 2), ("special-rows", special, 1),
+        ("float32-rows", values(30, 41, dtype=torch.float32), 1),
         ("transposed", a.t(), 1), ("columns", a, 0), ("transposed-columns", a.t(), 0),
         ("batched", b, 1), ("batched-transposed", b.transpose(1, 2), 2),
         ("merged", b.transpose(1, 2), 1), ("permuted", b.permute(2, 0, 1), 1),
