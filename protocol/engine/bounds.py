@@ -213,21 +213,23 @@ def _abs_keyword(value):
 def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Euclidean norms along `dim`, in float64 whatever the compute dtype: in float32 the
     squares of bfloat16 values would underflow or overflow; in float64 those of float32 values
-    cannot. Where the library is loaded (`fused.own_arithmetic`), one C++ pass over a view of at
-    most three dimensions (`torch.ops.ovt.norms`, no squared copy: a row adjacent in memory in
-    float64 lanes, at several times `vector_norm`'s speed on the CPU; along any other dimension,
-    a transposed view's rows or a matrix's columns, the squares summed along `dim` into float64
-    accumulators, adjacent results together). Else along a dimension adjacent in memory
-    `vector_norm`; along any other the squares summed with torch ops — on the CPU from
-    `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the block sums added up, so
-    that the squares stay in the cache. Any order of the sum is within the reduction rule's own
-    error, which `SAFETY` covers."""
+    cannot. One term a norm: `vector_norm` (|x|). Where the library is loaded
+    (`fused.own_arithmetic`), one C++ pass over a view of at most three dimensions
+    (`torch.ops.ovt.norms`, no squared copy: a row adjacent in memory in float64 lanes, 1.1–1.4×
+    `vector_norm`'s speed on float64 rows; along any other dimension, a transposed view's rows
+    or a matrix's columns, the squares summed along `dim` into float64 accumulators, adjacent
+    results together). Else along a dimension adjacent in memory `vector_norm`; along any other
+    the squares summed with torch ops — on the CPU from `_NORMS_BLOCKED` elements a block of
+    `_NORM_BLOCK` at a time, the block sums added up, so that the squares stay in the cache. Any
+    order of the sum is within the reduction rule's own error, which `SAFETY` covers."""
+    if x.shape[dim] == 1:  # |x| (one term a norm: no pass of sums to make)
+        return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32):
         layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
         if layout is not None:
             kept = x.shape[:dim] + x.shape[dim + 1:]
             return torch.ops.ovt.norms(x, *layout).reshape(kept)
-    if x.stride(dim) == 1 or x.shape[dim] == 1:
+    if x.stride(dim) == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if x.numel() < _NORMS_BLOCKED or not x.is_cpu:  # (on CUDA: one kernel, not hundreds)
         wide = x.to(torch.float64)

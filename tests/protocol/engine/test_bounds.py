@@ -1433,6 +1433,10 @@ def test_rule_of_answers_alike_in_any_call_order():
         (aten.div.Tensor, (x64, 3.0), {}),
         (aten.index_put.default, (x64, [torch.tensor([0])], x64[:1], False), {}),
         (aten.index_put.default, (x64, [torch.tensor([0])], x64[:1], True), {}),
+        (aten.index_put_.default, (x64.clone(), [torch.tensor([0])], x64[:1]),
+         {"accumulate": True}),
+        (aten._foreach_sqrt.default, ([x32],), {}), (aten._foreach_sqrt.default, ([bf16],), {}),
+        (aten._foreach_div.List, ([x32], [x32]), {}), (aten._foreach_div.List, ([x64], [x64]), {}),
         (aten.mm.default, (x64.reshape(3, 1), x64.reshape(1, 3)), {}),
         (aten.exp.default, (x64,), {}),
     ]
@@ -1443,7 +1447,8 @@ def test_rule_of_answers_alike_in_any_call_order():
     first = answers()
     assert first[0] == "zero" and first[1] == "axpy"
     assert first[2] != first[3] and first[4] != first[6] and first[5] is None
-    assert first[7] is None and first[8] is not None
+    assert first[7] is None and first[8] is not None and first[9] is not None
+    assert first[10] != first[11] and first[12] != first[13]
     for _ in range(2):
         assert answers() == first
         assert [getattr(rule_of(func, args, kwargs), "name", None)
@@ -1558,7 +1563,8 @@ def test_blocked_norms_are_the_norms(shape, dim, transpose, own_arithmetic):
 
 def _norm_views():
     """(name, view, dim): the layouts `_norms` meets — rows adjacent in memory (one run each,
-    lengths not a multiple of the C++ pass's eight lanes), transposed and batched operands,
+    lengths not a multiple of the C++ pass's eight lanes, runs longer than its blocks, runs of
+    one element), transposed and batched operands,
     permuted, sliced, expanded (stride 0), of four dimensions, float32 (the bfloat16 policy's
     compute dtype), empty — with values of many magnitudes, zeros, an infinity and a NaN."""
     g = torch.Generator().manual_seed(5)
@@ -1576,6 +1582,8 @@ def _norm_views():
         ("rows", a, 1), ("batched-rows", b, 2), ("sliced-rows", a[::2, 3:], 1),
         ("rows-unmerged", b.transpose(0, 1), 2), ("special-rows", special, 1),
         ("float32-rows", values(30, 41, dtype=torch.float32), 1),
+        ("long-vector", values(70001), 0), ("long-rows", values(3, 33000), 1),
+        ("reduced-one", values(50, 1), 1),
         ("transposed", a.t(), 1), ("columns", a, 0), ("transposed-columns", a.t(), 0),
         ("batched", b, 1), ("batched-transposed", b.transpose(1, 2), 2),
         ("merged", b.transpose(1, 2), 1), ("permuted", b.permute(2, 0, 1), 1),
