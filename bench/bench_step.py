@@ -79,6 +79,7 @@ DENSE_BITS_PER_ELEMENT = 1.6
 TARGETS = (
     ("record_over_plain64", 1.3, None),
     ("record_over_plain32", 2.5, ("char-transformer",)),
+    ("replay_over_record", 1.0, None),
     ("log_ratio_to_dense", 0.005, None),
 )
 
