@@ -348,7 +348,7 @@ class RoundingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        plan = _PLANS.get(id(func)) or _plan_of(func)
+        plan = _plan_of(func)
         kind = plan.kind
         if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
             with self:

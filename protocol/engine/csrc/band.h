@@ -61,53 +61,48 @@ struct Spec {
   double weight;  // kPlus's, and kRows's where not 0
 };
 
-// Bit patterns: the compiler's builtin on the host, the CUDA intrinsics on the device (and a
-// copy in nvcc's host pass, which need not know the builtin).
+// Bit patterns: the CUDA intrinsics on the device; on the host the compiler's builtin, or
+// memcpy in nvcc's host pass, which need not know the builtin (`host_bit_cast`).
+template <typename To, typename From>
+OVT_ELEMENT To host_bit_cast(From v) {
+#if defined(__CUDACC__)
+  To out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  return __builtin_bit_cast(To, v);
+#endif
+}
+
 OVT_ELEMENT int64_t bits_of(double v) {
 #if defined(__CUDA_ARCH__)
   return static_cast<int64_t>(__double_as_longlong(v));
-#elif defined(__CUDACC__)
-  int64_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
 #else
-  return __builtin_bit_cast(int64_t, v);
+  return host_bit_cast<int64_t>(v);
 #endif
 }
 
 OVT_ELEMENT double as_double(int64_t bits) {
 #if defined(__CUDA_ARCH__)
   return __longlong_as_double(static_cast<long long>(bits));
-#elif defined(__CUDACC__)
-  double v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
 #else
-  return __builtin_bit_cast(double, bits);
+  return host_bit_cast<double>(bits);
 #endif
 }
 
 OVT_ELEMENT int32_t bits_of(float v) {
 #if defined(__CUDA_ARCH__)
   return __float_as_int(v);
-#elif defined(__CUDACC__)
-  int32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits;
 #else
-  return __builtin_bit_cast(int32_t, v);
+  return host_bit_cast<int32_t>(v);
 #endif
 }
 
 OVT_ELEMENT float as_float(int32_t bits) {
 #if defined(__CUDA_ARCH__)
   return __int_as_float(bits);
-#elif defined(__CUDACC__)
-  float v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
 #else
-  return __builtin_bit_cast(float, bits);
+  return host_bit_cast<float>(bits);
 #endif
 }
 
