@@ -256,5 +256,8 @@ def _run(shape: torch.Size, base: torch.Size) -> int | None:
 
 def _float64(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A bound factor of `y` flat, in float64, on `y`'s device (where the fused pass reads it:
-    a rule may give a CPU scalar tensor for a CUDA result, which torch ops broadcast)."""
+    a rule may give a CPU scalar tensor for a CUDA result, which torch ops broadcast): a view
+    of `t` where it is one already (most: norms and sums are made so), else a copy."""
+    if t.dtype == torch.float64 and t.is_contiguous() and t.device == y.device:
+        return t.view(-1)
     return t.to(device=y.device, dtype=torch.float64).reshape(-1).contiguous()

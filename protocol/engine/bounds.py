@@ -225,10 +225,10 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.shape[dim] == 1:  # |x| (one term a norm: no pass of sums to make)
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32):
-        layout = _norms_layout(tuple(x.shape), tuple(x.stride()), dim)
-        if layout is not None:
-            kept = x.shape[:dim] + x.shape[dim + 1:]
-            return torch.ops.ovt.norms(x, *layout).reshape(kept)
+        plan = _norms_layout(x.shape, x.stride(), dim)
+        if plan is not None:
+            layout, kept = plan
+            return torch.ops.ovt.norms(x, *layout).view(kept)
     if x.stride(dim) == 1:
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if x.numel() < _NORMS_BLOCKED or not x.is_cpu:  # (on CUDA: one kernel, not hundreds)
@@ -250,12 +250,13 @@ _NORM_BLOCK = 1 << 17
 
 
 @lru_cache(maxsize=4096)
-def _norms_layout(shape: tuple[int, ...], strides: tuple[int, ...], dim: int
-                  ) -> tuple[int, int, int, int, int, int] | None:
-    """(outer, reduced, inner, outer stride, reduced stride, inner stride) viewing a tensor of
-    `shape` and `strides` as (outer, reduced, inner) with `dim` reduced and the other dimensions
-    in order, outer and inner each one stride; None where they are not (a view of four or more
-    dimensions that do not merge)."""
+def _norms_layout(shape: Sequence[int], strides: Sequence[int], dim: int
+                  ) -> tuple[tuple[int, int, int, int, int, int], tuple[int, ...]] | None:
+    """((outer, reduced, inner, outer stride, reduced stride, inner stride), kept shape):
+    a tensor of `shape` and `strides` viewed as (outer, reduced, inner) with `dim` reduced and
+    the other dimensions in order, outer and inner each one stride, and the shape of its norms
+    (`shape` without `dim`); None where they are not (a view of four or more dimensions that do
+    not merge). Found by the tensor's own `shape` and `stride()`, which hash as tuples."""
     kept = [(n, s) for d, (n, s) in enumerate(zip(shape, strides, strict=True))
             if d != dim and n != 1]
     merged: list[tuple[int, int]] = []
@@ -269,7 +270,8 @@ def _norms_layout(shape: tuple[int, ...], strides: tuple[int, ...], dim: int
     while len(merged) < 2:
         merged.insert(0, (1, 0))
     (outer, sa), (inner, sc) = merged
-    return outer, shape[dim], inner, sa, strides[dim], sc
+    return (outer, shape[dim], inner, sa, strides[dim], sc), \
+        tuple(shape[:dim]) + tuple(shape[dim + 1:])
 
 
 def _mag(value) -> torch.Tensor | float:
@@ -679,6 +681,13 @@ def _adaptive_pool_count(args, kwargs, y) -> int:
     return math.prod(x.shape[-2:]) + 1
 
 
+def _times(scale, t: torch.Tensor) -> torch.Tensor:
+    """|scale|·t for a scaling argument (addmm's alpha and beta): `t` itself where |scale| is 1,
+    the common case, which saves a pass (1·t is t, bit for bit)."""
+    factor = abs(float(scale))
+    return t if factor == 1.0 else factor * t
+
+
 def _mm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """mm(a, b): C_ij is a K-term inner product; Σ_k |a_ik·b_kj| <= ‖a_i‖·‖b_j‖ (Cauchy–Schwarz),
     an outer product of norms: O(M·K + K·N + M·N) work against the GEMM's O(M·K·N)."""
@@ -691,8 +700,8 @@ def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     scalings: γ_{K+2}·(|beta·c| + |alpha|·‖a_i‖‖b_j‖)."""
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    add = abs(float(beta)) * c.abs() if beta != 0 else None
-    return [ctx.sum_bound(a.shape[1] + 2, abs(float(alpha)) * _norms(a, 1), _norms(b, 0), add)]
+    add = _times(beta, c.abs()) if beta != 0 else None
+    return [ctx.sum_bound(a.shape[1] + 2, _times(alpha, _norms(a, 1)), _norms(b, 0), add)]
 
 
 def _bmm(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -705,8 +714,8 @@ def _baddbmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """baddbmm(c, a, b, beta, alpha): addmm per batch."""
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    add = abs(float(beta)) * c.abs() if beta != 0 else None
-    return [ctx.sum_bound(a.shape[2] + 2, abs(float(alpha)) * _norms(a, 2), _norms(b, 1), add)]
+    add = _times(beta, c.abs()) if beta != 0 else None
+    return [ctx.sum_bound(a.shape[2] + 2, _times(alpha, _norms(a, 2)), _norms(b, 1), add)]
 
 
 def _mv(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -719,9 +728,9 @@ def _addmv(ctx, func, args, kwargs, ys) -> list[Bound]:
     """addmv(c, a, v, beta, alpha) = beta·c + alpha·(a·v): as addmm."""
     c, a, v = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    s = abs(float(alpha)) * _norms(a, 1) * _norms(v, 0)
+    s = _times(alpha, _norms(a, 1) * _norms(v, 0))
     if beta != 0:
-        s = s + abs(float(beta)) * c.abs()
+        s = s + _times(beta, c.abs())
     return [ctx.sum_bound(a.shape[1] + 2, s)]
 
 
@@ -994,7 +1003,8 @@ def _row_sum_error(ctx, k: int) -> float:
     return (2 * n_exp + 4) * k + 2 * n_exp + 2
 
 
-def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
+def _softmax(ctx, func, args, kwargs, ys, *, tops: torch.Tensor | None,
+             top: float) -> list[Bound]:
     """_softmax(x, dim): y_i = exp(x_i − M) / s, s = Σ_j exp(x_j − M). Relative to y_i: the
     row sum (`_row_sum_error`); y_i's own exp(x_i − M) (u·|x_i − M| + 2·n_exp·u; through
     exp((x_i − M) − log s), 2u·|x_i − M| + (2·n_log + 1)·u·ln K + 2·n_exp·u; through
@@ -1009,26 +1019,40 @@ def _softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
     beside ordinary ones) each row keeps its own, so one row cannot widen every other row's
     band. Both parties decide alike: the inputs are the same bits. (A row whose M is not
     finite has no finite result; `rule_of` decomposes the op where u·|M| breaks the
-    first-order limit, `_softmax_terms`.)"""
+    first-order limit, `_softmax_rule`.) `tops` are the rows' finite |M| and `top` their
+    largest (`_softmax_rule` found them for its decision: the same values from the op's
+    target-dtype input, a maximum being exact); `tops` is None for an empty input."""
     x, dim = args[0], args[1]
     k = _row(x, dim)
     scale, floor = SAFETY * _SLACK * ctx.u, SAFETY * (2 * k + 8) * ctx.tiny
     c = 3 * (1 - math.log(ctx.tiny)) + _row_sum_error(ctx, k) + \
         (2 * _ulps(ctx, "log") + 2) * _log(k) + 2 * _ulps(ctx, "exp") + 3
-    if not x.numel():
+    if tops is None:
         return [Affine(scale * c, floor)]
-    tops = _finite_row_maxima(x, dim)
-    top = float(tops.max())
     if top <= c:
         return [Affine(scale * (c + top), floor)]
-    return [Affine(scale, floor, _f64(ys[0]).abs().mul_(tops.add_(c)))]
+    return [Affine(scale, floor, _f64(ys[0]).abs().mul_(tops + c))]
+
+
+def _softmax_rule(args: tuple, unit_roundoff: float) -> Rule | None:
+    """_softmax's rule where u times its first-order coefficient — `_row_terms` plus the
+    largest finite |M| of the rows (exp(x − (M + log s)) rounds M + log s) — is at most
+    `_COMPOSITE_LIMIT`, else None (decomposed). The rows' |M| found for the decision are the
+    ones its bound reads (`_softmax`): one read of the input for both. A decision on shapes
+    and input values, the same on every party."""
+    x, dim = args[0], args[1]
+    tops = _finite_row_maxima(x, dim) if x.numel() else None
+    top = float(tops.max()) if tops is not None else 0.0
+    if (_row_terms(args, {}) + top) * unit_roundoff > _COMPOSITE_LIMIT:
+        return None
+    return Rule("softmax", partial(_softmax, tops=tops, top=top), unsigned_zero=True)
 
 
 def _finite_row_maxima(x: torch.Tensor, dim: int) -> torch.Tensor:
     """|M| per row along `dim` (kept as a dimension of one), in float64; 0 for a row whose
     maximum is not finite (no finite result there)."""
     rows = _f64(x.amax(dim, keepdim=True) if x.dim() else x)
-    return torch.where(torch.isfinite(rows), rows.abs(), 0.0)
+    return rows.abs().nan_to_num_(nan=0.0, posinf=0.0)  # (|M| is never −inf)
 
 
 def _log_softmax(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -1207,14 +1231,6 @@ def _row_terms(args: tuple, kwargs: dict) -> float:
     n_exp = 2, plus the constants (|x_i − M| ≤ 745 where exp(x_i − M) does not underflow in
     float64, 104 in float32)."""
     return 8 * _row(args[0], args[1]) + 2400
-
-
-def _softmax_terms(args: tuple, kwargs: dict) -> float:
-    """`_row_terms` plus softmax's relative u·|M| (exp(x − (M + log s)) rounds M + log s): the
-    largest finite |M| of the rows (the same on every party: the inputs are the same bits)."""
-    x = args[0]
-    top = float(_finite_row_maxima(x, args[1]).max()) if x.numel() else 0.0
-    return _row_terms(args, kwargs) + top
 
 
 def _softmax_backward_terms(args: tuple, kwargs: dict) -> float:
@@ -1403,7 +1419,6 @@ def _table() -> dict[str, Rule]:
 # Composite ops with own rules, and the first-order coefficient `rule_of` limits.
 _COMPOSITE: dict[str, tuple[Rule, Callable[[tuple, dict], float]]] = {
     name: (Rule(rule, fn, unsigned_zero=True), terms) for name, rule, fn, terms in (
-        ("_softmax", "softmax", _softmax, _softmax_terms),
         ("_log_softmax", "log-softmax", _log_softmax, _row_terms),
         ("_softmax_backward_data", "softmax-backward", _softmax_backward,
          _softmax_backward_terms),
@@ -1456,6 +1471,8 @@ def rule_of(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
     if func == normops.NORM_BACKWARD_STATS:
         return _norm_backward_stats_rule(args, unit_roundoff)
     name = func.overloadpacket.__name__
+    if name == "_softmax":
+        return _softmax_rule(args, unit_roundoff)
     composite = _COMPOSITE.get(name)
     if composite is not None:
         own, terms = composite

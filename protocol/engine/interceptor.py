@@ -62,6 +62,10 @@ Compute = Callable[[torch._ops.OpOverload, tuple, dict], object]
 PARTS_FROM = 1 << 21
 PART = 1 << 19
 
+# `WidenCache` keeps the widened copies of tensors from this many elements (8 K: 64 KiB of
+# float64); a smaller one is widened afresh, which costs less than finding or keeping an entry.
+CACHE_FROM = 1 << 13
+
 
 def native_compute(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     return func(*args, **kwargs)
@@ -137,7 +141,10 @@ class WidenCache:
     holds at most twice its elements (a sparser one is widened alone, and not kept); and `note`,
     a site's result that the rounder overwrote with its rounding (`round_result_in_place`), so
     that no copy is made at all. Entries stop being added once their wide copies of storages
-    still alive hold `budget_bytes`.
+    still alive hold `budget_bytes`. A tensor of fewer than `cache_from` elements
+    (`CACHE_FROM`: a bias, a norm's weight or statistics) is widened afresh each time and never
+    kept: its copy costs less than an entry's bookkeeping (in a transformer step at bench size,
+    about 1.2 of 65 ms).
 
     The default budget, 1 GiB, holds at GPT-2's vocabulary the language-model head's widened
     weights (300 MiB), read again by the backward pass, besides the roundings of its logits and
@@ -146,13 +153,18 @@ class WidenCache:
     13).
     """
 
-    def __init__(self, compute: torch.dtype, budget_bytes: int = 2**30) -> None:
+    def __init__(self, compute: torch.dtype, budget_bytes: int = 2**30,
+                 cache_from: int = CACHE_FROM) -> None:
         self.compute, self.budget, self.held = compute, budget_bytes, 0
+        self.cache_from = cache_from
         self.entries: dict[tuple, list[_Span]] = {}  # per storage (`_storage_key`)
         self._wait = 0  # shortages to pass before the next sweep (`fits`)
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
-        """`t.to(self.compute)`, as a view of a cached span where one covers `t`."""
+        """`t.to(self.compute)`, as a view of a cached span where one covers `t`; a tensor of
+        fewer than `cache_from` elements afresh."""
+        if t.numel() < self.cache_from:
+            return t.to(self.compute)
         first = int(t.storage_offset())
         if t.is_contiguous():
             last = first + t.numel() - 1
@@ -169,7 +181,7 @@ class WidenCache:
                 return wide.as_strided(t.shape, t.stride(),
                                        wide.storage_offset() + first - span.first)
         length = last - first + 1
-        if not t.numel() or key[0] == 0 or length > 2 * t.numel():
+        if key[0] == 0 or length > 2 * t.numel():
             return t.to(self.compute)
         current = [span for span in spans if span.serves(storage, version)]
         if len(current) < len(spans):  # the others are of no use
@@ -184,9 +196,14 @@ class WidenCache:
 
     def note(self, r: torch.Tensor, wide: torch.Tensor) -> None:
         """Take `wide`, a contiguous compute-dtype tensor equal to `r.to(self.compute)`, as the
-        widened copy of `r`'s memory: `r` contiguous and not empty, `wide` nobody else's."""
-        self._add(_storage_key(r), _Span(StorageWeakRef(r.untyped_storage()), r._version,
-                                         int(r.storage_offset()), wide.view(-1), _bytes(wide)))
+        widened copy of `r`'s memory: `r` contiguous and not empty, `wide` nobody else's. One
+        of fewer than `cache_from` elements is not kept (`widen` serves none)."""
+        if r.numel() < self.cache_from:
+            return
+        storage = r.untyped_storage()
+        self._add((storage.data_ptr(), r.device),
+                  _Span(StorageWeakRef(storage), r._version, int(r.storage_offset()),
+                        wide.view(-1), _bytes(wide)))
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of `nbytes` would be kept; where the budget is short, first drops
@@ -236,6 +253,16 @@ def _shares_storage(y: torch.Tensor, inputs: tuple[tuple, dict]) -> bool:
             if isinstance(t, torch.Tensor) and _storage_key(t) == key:
                 return True
     return False
+
+
+def _flatten(out) -> tuple[list, TreeSpec | None]:
+    """`tree_flatten(out)`, without a pytree walk where `out` is one tensor or a flat tuple or
+    list of tensors and Nones, as an ATen op's results are: then the spec is None."""
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    if type(out) in (tuple, list) and all(v is None or isinstance(v, torch.Tensor) for v in out):
+        return list(out), None
+    return tree_flatten(out)
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -438,7 +465,7 @@ class RoundingMode(TorchDispatchMode):
         rounded = self._round_results(func, rule, inputs, out, writes, keep_compute=keep_compute,
                                       unsigned_zero=unsigned_zero)
         if unsigned_zero:  # −0 + 0 = +0, every other value as it is (`Rule.unsigned_zero`)
-            for leaf in tree_flatten(rounded)[0] + [orig for orig, _ in writes]:
+            for leaf in _flatten(rounded)[0] + [orig for orig, _ in writes]:
                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
                     leaf.add_(0.0)
         return rounded
@@ -723,12 +750,7 @@ class RoundingMode(TorchDispatchMode):
                 return self._round_site(func, rule, inputs, [out])[0].to(self.policy.compute)
             return self._round_result(func, rule, inputs, out, unsigned_zero)  # the common case
         write_of = {id(wide): orig for orig, wide in writes}
-        spec: TreeSpec | None = None  # (a multi-output op's tensors or Nones need no pytree)
-        if type(out) in (tuple, list) and all(v is None or isinstance(v, torch.Tensor)
-                                              for v in out):
-            leaves = list(out)
-        else:
-            leaves, spec = tree_flatten(out)
+        leaves, spec = _flatten(out)
         # per leaf: index into ys, the written original, or the leaf itself
         ys: list[torch.Tensor] = []
         slots: list[tuple[str, Any]] = []
@@ -749,15 +771,16 @@ class RoundingMode(TorchDispatchMode):
             orig.copy_(r)
             self._widened.forget(orig)
         results = [rounded[v] if kind == "y" else v for kind, v in slots]
-        if spec is None:
-            return type(out)(results)
-        return tree_unflatten(results, spec)
+        if spec is not None:
+            return tree_unflatten(results, spec)
+        return results[0] if isinstance(out, torch.Tensor) else type(out)(results)
 
     def _round_result(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
                       y: torch.Tensor, unsigned_zero: bool) -> torch.Tensor:
         """One site of one result `y`. Where `y` is the op's own — a contiguous tensor over
         memory that none of the op's tensor arguments reads (a view's `_base` is not set inside
-        a dispatch mode, so the storages are compared) — and the rounder takes it in place
+        a dispatch mode, so the storages are compared), large enough for the cache to keep
+        (`WidenCache.cache_from`) — and the rounder takes it in place
         (`rounds_in_place`, looked up on its class as `rounds_in_parts` is), the rounder may
         overwrite `y` with its rounding widened; `y` is then noted as the rounding's
         compute-dtype copy (`WidenCache.note`), so that the ops reading the rounding next
@@ -765,7 +788,7 @@ class RoundingMode(TorchDispatchMode):
         With `unsigned_zero` the caller adds +0 to the rounding (in place, which
         inside the mode bumps no version counter), so `y` gets the same first: −0 + 0 = +0 in
         either dtype, every other value (and the widening of each) as it is."""
-        if not (self._in_place and y.is_contiguous() and y.numel()
+        if not (self._in_place and y.numel() >= self._widened.cache_from and y.is_contiguous()
                 and self._widened.fits(_bytes(y)) and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \

@@ -69,7 +69,7 @@ Part = tuple[torch.Tensor, Bound, torch.Tensor]
 
 
 def _increasing(indices: np.ndarray) -> bool:
-    return indices.size < 2 or bool((indices[1:] > indices[:-1]).all())
+    return bool((indices[1:] > indices[:-1]).all())
 
 
 # A tensor's band candidates, as the recorder notes them: (site, site positions, y, e) there.
@@ -89,7 +89,9 @@ def _entry_tensors(site: SiteLog) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 def _entries_in(site: SiteLog, start: int, stop: int) -> SiteLog:
     """The entries of `site` at positions [start, stop), as a SiteLog of the same numel: two
     binary searches, the indices being strictly increasing (`SiteReplayer._next_site` checks
-    it)."""
+    it); `site` itself where the range is the whole site."""
+    if start == 0 and stop >= site.numel:
+        return site
     a, b = np.searchsorted(site.indices, [start, stop])
     c, d = np.searchsorted(site.value_indices, [start, stop])
     return SiteLog(site.numel, site.indices[a:b], site.up[a:b], site.value_indices[c:d],
@@ -447,7 +449,8 @@ class SiteReplayer(_RoundingPaths):
                 f"{self._where()}site {self._site(self.position)} ({op}) produced {numel} "
                 f"elements but the rounding log records {site.numel}: wrong program, config or "
                 f"step")
-        if not (_increasing(site.indices) and _increasing(site.value_indices)):
+        if (site.indices.size > 1 and not _increasing(site.indices)) or \
+                (site.value_indices.size > 1 and not _increasing(site.value_indices)):
             raise LogMismatchError(  # (decode_log builds no such log; one made in memory may)
                 f"{self._where()}site {self._site(self.position)} ({op}): the rounding log's "
                 f"entry indices are not strictly increasing (SPEC §2)")

@@ -44,7 +44,7 @@ def test_every_view_of_a_widened_storage_reads_its_own_elements():
     """Transposes, slices, reshapes, broadcasts (stride 0) and offsets of one storage, in any
     order: each widened exactly, the later ones from the span the first made."""
     x = odd_values(6, 8)
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     views = [x, x.t(), x[1:4], x[:, 2:], x[2:5, 1:7].t(), x.view(3, 16), x[3],
              x[0].expand(5, 8), x.view(-1)[5:40], x.unsqueeze(0).expand(2, 6, 8)]
     for v in views:
@@ -54,7 +54,7 @@ def test_every_view_of_a_widened_storage_reads_its_own_elements():
 
 def test_a_sparse_view_is_widened_alone_and_not_kept():
     x = odd_values(40, 40)
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     assert_widened(cache, x[:, 3])  # 40 elements over a span of 1,561
     assert not cache.entries and cache.held == 0
     assert_widened(cache, x[7:9])  # a dense slice is kept, its span only
@@ -63,7 +63,7 @@ def test_a_sparse_view_is_widened_alone_and_not_kept():
 
 def test_two_spans_of_one_storage_live_side_by_side():
     x = odd_values(100)
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     a, b = assert_widened(cache, x[0:10]), assert_widened(cache, x[50:70])
     assert len(cache.entries[next(iter(cache.entries))]) == 2
     assert cache.widen(x[2:8]).data_ptr() == a.data_ptr() + 2 * 8  # served from a's span
@@ -75,7 +75,7 @@ def test_a_write_is_seen_through_every_view():
     with its own counter (`.data`) is dropped by the interceptor's `forget`; a stale span is
     dropped when a newer one is made."""
     x = odd_values(6, 8)
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     assert_widened(cache, x.t())
     x[2].add_(1.0)
     assert_widened(cache, x[1:4])
@@ -90,7 +90,7 @@ def test_a_write_is_seen_through_every_view():
 
 
 def test_the_budget_caps_what_is_kept():
-    cache = WidenCache(F64, budget_bytes=100 * 8)
+    cache = WidenCache(F64, cache_from=1, budget_bytes=100 * 8)
     a, b = odd_values(60), odd_values(60)
     assert_widened(cache, a)
     assert_widened(cache, b)  # over the budget: widened, not kept
@@ -100,7 +100,7 @@ def test_the_budget_caps_what_is_kept():
 def test_a_tensor_in_the_memory_of_a_dead_one_is_not_served_its_values():
     """An entry refers to its storage weakly: once the program lets go of a widened tensor its
     memory is freed and may hold the next tensor, whose widening must be its own."""
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     seen, reused = set(), 0
     for k in range(50):
         t = torch.full((256,), float(k))
@@ -114,7 +114,7 @@ def test_a_tensor_in_the_memory_of_a_dead_one_is_not_served_its_values():
 def test_entries_of_storages_let_go_of_make_room_when_the_budget_is_short():
     """A dead tensor's entry serves nothing: it is dropped, its wide copy freed, once a new
     entry would not fit beside it."""
-    cache = WidenCache(F64, budget_bytes=100 * 8)
+    cache = WidenCache(F64, cache_from=1, budget_bytes=100 * 8)
     a, b = odd_values(60), odd_values(60)
     assert_widened(cache, a)
     del a
@@ -127,7 +127,7 @@ def test_a_cache_full_of_live_entries_is_not_walked_at_every_op(monkeypatch):
     """While every entry's storage is alive, a sweep frees nothing: after one, the cache lets as
     many shortages pass as it has storages before the next; a storage let go of is still
     dropped within that many."""
-    cache = WidenCache(F64, budget_bytes=10 * 8 * 8)
+    cache = WidenCache(F64, cache_from=1, budget_bytes=10 * 8 * 8)
     live = [odd_values(8) for _ in range(10)]
     for t in live:
         assert_widened(cache, t)
@@ -148,7 +148,7 @@ def test_a_cache_full_of_live_entries_is_not_walked_at_every_op(monkeypatch):
 
 
 def test_a_noted_result_serves_its_views():
-    cache = WidenCache(F64)
+    cache = WidenCache(F64, cache_from=1)
     r = odd_values(5, 7)
     wide = r.to(F64)
     cache.note(r, wide)
@@ -180,6 +180,7 @@ def test_a_result_rounded_in_place_is_read_back_as_its_rounding(rounder):
 
     rec = rounder(POLICY)
     mode = RoundingMode(POLICY, rec)
+    mode._widened.cache_from = 1  # (small tensors: every one kept)
     noted = []
     note = mode._widened.note
     mode._widened.note = lambda r, wide: noted.append(r) or note(r, wide)
@@ -211,6 +212,7 @@ def test_a_replayed_result_with_entries_is_written_back_as_its_rounding():
     assert rec.sites[0].indices.size == 12
     rep = SiteReplayer(POLICY, rec.log())
     mode = RoundingMode(POLICY, rep)
+    mode._widened.cache_from = 1
     noted: list[tuple[torch.Tensor, torch.Tensor]] = []
     note = mode._widened.note
     mode._widened.note = lambda r, wide: noted.append((r, wide)) or note(r, wide)
@@ -228,6 +230,7 @@ def run_both(fn):
     for rounder in (SiteRecorder, NotInPlace):
         rec = rounder(POLICY)
         mode = RoundingMode(POLICY, rec)
+        mode._widened.cache_from = 1  # (small tensors: every one kept)
         if rounder is NotInPlace:
             mode._widened.budget = 0
         with mode:
@@ -311,7 +314,38 @@ def test_nothing_is_rounded_in_place_once_the_cache_is_full():
     for budget, expected in ((512 * 2**20, 2), (64 * 64 * 8 - 1, 0)):
         Counting.in_place = 0
         mode = RoundingMode(POLICY, Counting(POLICY))
-        mode._widened.budget = budget
+        mode._widened.budget, mode._widened.cache_from = budget, 1
         with mode:
             torch.tanh(torch.exp(x))
         assert Counting.in_place == expected, budget
+
+
+def test_a_small_tensor_is_widened_afresh_and_never_kept():
+    """Below `cache_from` elements (`CACHE_FROM`: a bias, a norm's statistics) a copy costs
+    less than an entry: nothing is kept, noted or rounded in place, and every read is still
+    exactly the argument widened; from it on, the span is kept and serves views as large
+    (a smaller view of it is copied afresh too)."""
+    from protocol.engine.interceptor import CACHE_FROM
+    cache = WidenCache(F64)
+    assert cache.cache_from == CACHE_FROM
+    small = odd_values(CACHE_FROM - 1)
+    assert_widened(cache, small)
+    assert_widened(cache, small[3:])
+    cache.note(small, small.to(F64))
+    assert not cache.entries and cache.held == 0
+    large = odd_values(2 * CACHE_FROM)
+    wide = assert_widened(cache, large)
+    assert cache.entries and assert_widened(cache, large[5:]).data_ptr() == wide.data_ptr() + 40
+    assert assert_widened(cache, large[:CACHE_FROM - 1]).data_ptr() != wide.data_ptr()
+
+    class Counting(SiteRecorder):
+        in_place = 0
+
+        def round_result_in_place(self, op, y, bound):
+            Counting.in_place += 1
+            return super().round_result_in_place(op, y, bound)
+
+    with RoundingMode(POLICY, Counting(POLICY)):
+        torch.exp(small)
+        torch.exp(large)
+    assert Counting.in_place == 1  # the large result only
