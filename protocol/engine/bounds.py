@@ -728,7 +728,7 @@ def _addmv(ctx, func, args, kwargs, ys) -> list[Bound]:
     """addmv(c, a, v, beta, alpha) = beta·c + alpha·(a·v): as addmm."""
     c, a, v = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
-    s = _times(alpha, _norms(a, 1) * _norms(v, 0))
+    s = _times(alpha, _norms(a, 1)) * _norms(v, 0)
     if beta != 0:
         s = s + _times(beta, c.abs())
     return [ctx.sum_bound(a.shape[1] + 2, s)]

@@ -155,6 +155,9 @@ class WidenCache:
 
     def __init__(self, compute: torch.dtype, budget_bytes: int = 2**30,
                  cache_from: int = CACHE_FROM) -> None:
+        if cache_from < 1:
+            raise ValueError(f"cache_from must be at least 1 (an empty tensor has no span to "
+                             f"keep), got {cache_from}")
         self.compute, self.budget, self.held = compute, budget_bytes, 0
         self.cache_from = cache_from
         self.entries: dict[tuple, list[_Span]] = {}  # per storage (`_storage_key`)
@@ -313,6 +316,7 @@ class _OpPlan:
     in_place: bool
     norm_formula: bool  # one of normops's normalize formulas (`RoundingMode._fused_formula`)
     statistics: bool  # one of normops's statistics (`RoundingMode._narrow_statistics`)
+    passthrough: bool  # EXACT, writing, converting and accumulating nothing: run as it is
 
 
 _PLANS: dict[int, _OpPlan] = {}
@@ -330,10 +334,12 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
         packet = func.overloadpacket.__name__
         positions, names = mutated_args(func)
         _, foreach, in_place = pointwise.family(func)
-        plan = _OpPlan(func, op_kind(func), op_name(func), packet in ("_to_copy", "copy_"),
-                       packet in ("index_put", "index_put_"), positions, names,
+        kind, converts = op_kind(func), packet in ("_to_copy", "copy_")
+        index_put = packet in ("index_put", "index_put_")
+        plan = _OpPlan(func, kind, op_name(func), converts, index_put, positions, names,
                        pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
-                       func in normops.FORMULAS, func in normops.STATISTICS)
+                       func in normops.FORMULAS, func in normops.STATISTICS,
+                       kind is OpKind.EXACT and not (converts or index_put or positions or names))
         _PLANS[id(func)] = plan
     return plan
 
@@ -374,8 +380,10 @@ class RoundingMode(TorchDispatchMode):
         self._claim = getattr(rounder, "claim_exact_site", None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         plan = _plan_of(func)
+        if plan.passthrough:  # (most ops of a step: views, copies, shape ops)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         kind = plan.kind
         if kind is OpKind.RANDOM:  # SPEC §3.4; what the served op computes comes back here
             with self:

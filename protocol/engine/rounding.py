@@ -312,7 +312,9 @@ class SiteReplayer(_RoundingPaths):
                    ) -> list[torch.Tensor]:
         site = self._next_site(op, sum(y.numel() for y in ys))
         if not (site.indices.size or site.value_indices.size):
-            return [y.to(self.policy.target) for y in ys]  # (to() keeps a dense layout)
+            # each flat, as the recorder rounds it: torch's CPU cast of a 0-d tensor to
+            # bfloat16 writes another NaN than that of the same value in one of one dimension
+            return [_shaped(y.reshape(-1).to(self.policy.target), y) for y in ys]
         out, offset = [], 0
         for y, b in zip(ys, bounds, strict=True):
             r, bad_value = self._replay_part(op, site, offset, y, b, check_values=True)

@@ -857,3 +857,35 @@ def test_an_invented_infinity_far_from_the_threshold_is_a_violation():
     with pytest.raises(LogViolationError):
         SiteReplayer(F64_F32, log).round_site("op", [torch.tensor([1.0e30], dtype=torch.float64)],
                                               [2.0**102])
+
+
+@pytest.mark.parametrize("policy", [F64_F32, F32_BF16], ids=["f64-f32", "f32-bf16"])
+def test_a_zero_dim_nan_replays_with_its_recorded_bits(policy):
+    """A 0-d NaN result — a loss, a write into a 0-d tensor, a result kept in the compute dtype
+    — rounds to the same bits in record and replay. torch's CPU cast into bfloat16 writes
+    0x7FC0 for a 0-d NaN and 0xFFFF for the same NaN in one dimension, so every path rounds a
+    site's values flat, as the recorder does (a replayer's site without entries once cast the
+    0-d tensor itself: the auditor's state hash then differed from an honest trainer's)."""
+    target = policy.target
+    x = torch.tensor([1.0, float("nan"), -2.0], dtype=target)
+    scalar = torch.tensor(-1.0, dtype=target)
+
+    def program():
+        loss = x.sum()  # a 0-d result, rounded alone
+        kept = x.to(policy.compute).mean()  # no target-dtype input: handed back widened
+        written = scalar.clone()
+        written.sub_(loss)  # a 0-d in-place write
+        return loss, kept, written
+
+    rec = SiteRecorder(policy)
+    with RoundingMode(policy, rec):
+        recorded = program()
+    assert all(t.isnan() for t in recorded)
+    rep = SiteReplayer(policy, rec.log())
+    with RoundingMode(policy, rep):
+        replayed = program()
+    rep.finish()
+    for a, b in zip(recorded, replayed, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape == ()
+        assert torch.equal(a.view(BITS.get(a.dtype, torch.int64)),
+                           b.view(BITS.get(b.dtype, torch.int64)))

@@ -328,6 +328,8 @@ def test_a_small_tensor_is_widened_afresh_and_never_kept():
     from protocol.engine.interceptor import CACHE_FROM
     cache = WidenCache(F64)
     assert cache.cache_from == CACHE_FROM
+    with pytest.raises(ValueError, match="cache_from must be at least 1"):
+        WidenCache(F64, cache_from=0)
     small = odd_values(CACHE_FROM - 1)
     assert_widened(cache, small)
     assert_widened(cache, small[3:])
