@@ -139,15 +139,36 @@ def round_band(flat: torch.Tensor, y: torch.Tensor, bound: Bound, policy: Precis
 def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None = None,
             widen_back: bool = False) -> tuple[torch.Tensor, bool]:
     """(`flat` rounded to nearest-even in the target dtype, widened): the rounding written to
-    `out` where it is given (a cast by `copy_` rounds as `to` does); `widen_back` as in
-    `round_band`, done by the fused pass (`torch.ops.ovt.nearest`) where it serves."""
+    `out` where it is given (`to_target`); `widen_back` as in `round_band`, done by the fused
+    pass (`torch.ops.ovt.nearest`) where it serves."""
     if widen_back and flat.is_contiguous() and _fused_serves(flat, policy) and \
             (out is None or out.is_contiguous()):
         r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
                                                     device=flat.device)
         torch.ops.ovt.nearest(flat, r)
         return r, True
-    return (flat.to(policy.target) if out is None else out.copy_(flat)), False
+    return to_target(flat, policy, out), False
+
+
+# The one bfloat16 NaN a rounding writes (`to_target`): the default quiet NaN, sign clear.
+BFLOAT16_NAN = 0x7FC0
+
+
+def to_target(values: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """`values` rounded to nearest-even in the target dtype by torch's cast, written to `out`
+    where it is given (`copy_` rounds as `to` does). Under a bfloat16 target every NaN comes
+    out as `BFLOAT16_NAN`: torch's CPU casts into bfloat16 write a NaN's bits by code path —
+    0xFFFF for a float32 NaN from the vectorised kernels (AVX2, AVX-512), 0x7FC0 from the
+    scalar one (a 0-d or strided tensor, or `ATEN_CPU_CAPABILITY=default`) — while states are
+    compared by their hashes (SPEC §2) and a NaN is no rounding site that a log entry could
+    settle (SPEC §3.2), so honest parties on two machines or layouts would otherwise differ in
+    a NaN's bits. A float32 target keeps the cast's NaN: a float64 NaN's float32 cast is the
+    same on every path."""
+    r = values.to(policy.target) if out is None else out.copy_(values)
+    if policy.target == torch.bfloat16:
+        r.view(torch.int16).masked_fill_(r.isnan(), BFLOAT16_NAN)
+    return r
 
 
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,

@@ -206,13 +206,28 @@ def test_violations_in_parts_are_reported_as_in_the_whole(name, kinds, monkeypat
         assert "its logged value" not in raised[True][0]
 
 
-def test_entries_out_of_order_are_refused():
+@pytest.mark.parametrize("bad", [
+    SiteLog(10, np.array([5, 3], dtype=np.int64), np.array([True, False])),
+    SiteLog(10, np.array([4, 4], dtype=np.int64), np.array([True, False])),
+    SiteLog(10, np.array([1], dtype=np.int64), np.array([True]), np.array([7, 2, 9]),
+            np.array([1, 2, 3], dtype=np.uint32)),
+], ids=["directions", "repeated", "values"])
+def test_entries_out_of_order_are_refused(bad):
     """Entry indices must be strictly increasing (decode_log builds no other log; one made in
-    memory may not be): the replayer refuses the site rather than read part of it."""
-    site = SiteLog(10, np.array([5, 3], dtype=np.int64), np.array([True, False]))
-    replayer = SiteReplayer(POLICY, RoundingLog((site,)))
-    with pytest.raises(LogMismatchError, match="not strictly increasing"):
-        replayer.round_site("op", [torch.zeros(10, dtype=torch.float64)], [None])
+    memory may not be): the replayer refuses the site, when it reaches it, rather than read
+    part of it. The order is checked for all sites at once (`_unordered_sites`): one site's
+    last index above the next site's first is no disorder."""
+    ordered = SiteLog(10, np.array([2, 9], dtype=np.int64), np.array([True, False]),
+                      np.array([8]), np.array([0x3F80], dtype=np.uint32))
+    empty = SiteLog(10, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool))
+    replayer = SiteReplayer(POLICY, RoundingLog((empty, ordered, ordered, bad, ordered)))
+    zeros = [torch.zeros(10, dtype=torch.float64)]
+    replayer.round_site("op", zeros, [None])
+    for _ in range(2):  # the ordered sites' entries are read (and invalid at e = 0)
+        with pytest.raises(LogViolationError):
+            replayer.round_site("op", zeros, [None])
+    with pytest.raises(LogMismatchError, match="site 3 .*not strictly increasing"):
+        replayer.round_site("op", zeros, [None])
 
 
 def test_small_broadcast_and_probed_sites_stay_whole(monkeypatch):

@@ -11,13 +11,19 @@ target ULP, through value entries where it is not (several ULPs of cancellation 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.codec.roundinglog import RoundingLog, SiteLog, encode_log
 from protocol.engine import fused
-from protocol.engine.bandpass import dense_bounds
+from protocol.engine.bandpass import BFLOAT16_NAN, dense_bounds
 from protocol.engine.bounds import SAFETY
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import (
@@ -34,8 +40,10 @@ from protocol.engine.rounding import (
     site_values,
 )
 from protocol.errors import LogMismatchError, LogViolationError
+from tests.protocol.engine import nan_replay
 from tests.protocol.engine.worst_cases import root_inputs, worst_quotients
 
+ROOT = Path(__file__).resolve().parents[3]  # the repository (`nan_replay` runs as a module)
 F64_F32 = PrecisionPolicy(torch.float64, torch.float32)
 F32_BF16 = PrecisionPolicy(torch.float32, torch.bfloat16)
 POLICIES = [pytest.param(F64_F32, id="f64-f32"), pytest.param(F32_BF16, id="f32-bf16")]
@@ -863,9 +871,10 @@ def test_an_invented_infinity_far_from_the_threshold_is_a_violation():
 def test_a_zero_dim_nan_replays_with_its_recorded_bits(policy):
     """A 0-d NaN result — a loss, a write into a 0-d tensor, a result kept in the compute dtype
     — rounds to the same bits in record and replay. torch's CPU cast into bfloat16 writes
-    0x7FC0 for a 0-d NaN and 0xFFFF for the same NaN in one dimension, so every path rounds a
-    site's values flat, as the recorder does (a replayer's site without entries once cast the
-    0-d tensor itself: the auditor's state hash then differed from an honest trainer's)."""
+    0x7FC0 for a 0-d NaN and 0xFFFF for the same NaN in one dimension (a replayer's site
+    without entries once cast the 0-d tensor itself, the recorder its flat view: the auditor's
+    state hash then differed from an honest trainer's); every rounding now writes one NaN
+    (`bandpass.to_target`)."""
     target = policy.target
     x = torch.tensor([1.0, float("nan"), -2.0], dtype=target)
     scalar = torch.tensor(-1.0, dtype=target)
@@ -889,3 +898,73 @@ def test_a_zero_dim_nan_replays_with_its_recorded_bits(policy):
         assert a.dtype == b.dtype and a.shape == b.shape == ()
         assert torch.equal(a.view(BITS.get(a.dtype, torch.int64)),
                            b.view(BITS.get(b.dtype, torch.int64)))
+
+
+def test_a_bfloat16_rounding_writes_one_nan_whatever_the_layout():
+    """`to_target`: torch's casts into bfloat16 write a NaN's bits by code path (0xFFFF from
+    the vectorised kernels, 0x7FC0 from the scalar one: a 0-d or strided tensor); every
+    rounding into bfloat16 writes `BFLOAT16_NAN`, into `out` too, and leaves every other value
+    as the cast rounds it. A float32 target keeps the cast's bits, NaNs included."""
+    from protocol.engine.bandpass import to_target
+    nan_bits = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFFF], dtype=torch.int32)
+    values = torch.cat([nan_bits.view(torch.float32), torch.tensor([1.5, -0.0, 3e38, 1e-40])])
+    wide = torch.stack([values, values], dim=1)  # each column strided
+    for x in (values, wide[:, 0], values[1], values[:1]):
+        r = to_target(x, F32_BF16)
+        assert r.dtype == torch.bfloat16 and r.shape == x.shape
+        bits = r.view(torch.int16).to(torch.int32) & 0xFFFF
+        nan = x.isnan()
+        assert torch.equal(bits[nan], torch.full_like(bits[nan], BFLOAT16_NAN))
+        assert torch.equal(r[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16))
+    out = torch.empty(values.numel(), dtype=torch.bfloat16)
+    assert to_target(wide[:, 1], F32_BF16, out) is out
+    assert torch.equal(out.view(torch.int16), to_target(values, F32_BF16).view(torch.int16))
+    doubles = torch.cat([torch.tensor([-0x8000000000000, 0x7FF0000000000001],
+                                      dtype=torch.int64).view(torch.float64),
+                         torch.tensor([2.5, -1e-300])])
+    for x in (doubles, doubles[::2], doubles[0]):
+        assert torch.equal(to_target(x, F64_F32).view(torch.int32),
+                           x.to(torch.float32).view(torch.int32))
+
+
+def test_a_nan_written_into_a_strided_view_replays_with_its_recorded_bits():
+    """A NaN written in place into a strided compute-dtype view by an op whose rule reads its
+    inputs (add_ with alpha): the recorder rounds the op's out-of-place result (contiguous),
+    a replayer without entries at the site the strided original — two of torch's bfloat16
+    casts, which wrote two NaNs before `to_target`."""
+    def program():
+        base = torch.linspace(0.5, 2.0, 24, dtype=torch.float32)
+        base[5] = float("nan")
+        base[1::2].add_(torch.linspace(1.0, 3.0, 12, dtype=torch.float32), alpha=0.3)
+        return base
+
+    rec = SiteRecorder(F32_BF16)
+    with RoundingMode(F32_BF16, rec):
+        recorded = program()
+    rep = SiteReplayer(F32_BF16, rec.log())
+    with RoundingMode(F32_BF16, rep):
+        replayed = program()
+    rep.finish()
+    assert recorded[5].isnan()
+    assert torch.equal(recorded.view(torch.int32), replayed.view(torch.int32))
+
+
+def test_bfloat16_nans_replay_alike_on_the_default_instruction_set(tmp_path):
+    """torch's vectorised bfloat16 casts (AVX2, AVX-512) write 0xFFFF for a float32 NaN where
+    its scalar kernels (`ATEN_CPU_CAPABILITY=default`, the isa-default profile) write 0x7FC0:
+    a log recorded here replays in a process on the default kernels with the same bits, NaNs
+    included (`bandpass.to_target`)."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this process runs the default kernels already: no other kernels to compare")
+    rec = SiteRecorder(nan_replay.POLICY)
+    with RoundingMode(nan_replay.POLICY, rec):
+        recorded = nan_replay.bits(nan_replay.nan_program())
+    log_file = tmp_path / "log.bin"
+    log_file.write_bytes(encode_log(rec.log()))
+    done = subprocess.run([sys.executable, "-m", "tests.protocol.engine.nan_replay", str(log_file)],
+                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)
+    elsewhere = json.loads(done.stdout)
+    assert elsewhere["capability"] == "DEFAULT"
+    assert elsewhere["bits"] == recorded
+    assert BFLOAT16_NAN in recorded[1]  # (a NaN was rounded)
