@@ -327,6 +327,8 @@ class SiteReplayer(_RoundingPaths):
                    ) -> list[torch.Tensor]:
         site = self._next_site(op, sum(y.numel() for y in ys))
         if not (site.indices.size or site.value_indices.size):
+            # flat, then laid out as the recorder lays out its roundings (`_shaped`): `y.to`
+            # keeps some layouts (an expanded y) that the recorder's results do not
             return [_shaped(to_target(y.reshape(-1), self.policy), y) for y in ys]
         out, offset = [], 0
         for y, b in zip(ys, bounds, strict=True):
