@@ -306,7 +306,7 @@ class _OpPlan:
     func: torch._ops.OpOverload  # held, so that its id stays its own
     kind: OpKind
     name: str  # op_name
-    converts: bool  # _to_copy or copy_: a cast into the target dtype rounds (`_narrows`)
+    source: int | None  # the argument a conversion casts (`_CONVERSIONS`), else None
     index_put: bool  # whether it accumulates depends on the call (`optable.accumulates`)
     positions: frozenset[int]  # the arguments it writes (mutated_args)
     names: frozenset[str]
@@ -321,6 +321,14 @@ class _OpPlan:
 
 _PLANS: dict[int, _OpPlan] = {}
 
+# The exact ops that cast one argument's values into another dtype, by the position of that
+# argument (`_OpPlan.source`): `_to_copy` into its `dtype=`, the others into their first
+# argument's dtype, element by element for the foreach form. A cast into the target dtype among
+# them is a rounding (`RoundingMode._narrowing_copy`). (`_foreach_copy`, out of place, is a
+# FLOAT op: rounded as a site on the widened path.)
+_CONVERSIONS = {"_to_copy": 0, "copy_": 1, "copy": 1, "_foreach_copy_": 1, "slice_scatter": 1,
+                "select_scatter": 1, "diagonal_scatter": 1, "as_strided_scatter": 1}
+
 # Ops with a positional `input_dtype` naming the dtype of their result: computed wide, it is the
 # compute dtype (`RoundingMode._widen`).
 _INPUT_DTYPE_OPS = frozenset({"_softmax_backward_data", "_log_softmax_backward_data"})
@@ -334,12 +342,13 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
         packet = func.overloadpacket.__name__
         positions, names = mutated_args(func)
         _, foreach, in_place = pointwise.family(func)
-        kind, converts = op_kind(func), packet in ("_to_copy", "copy_")
+        kind, source = op_kind(func), _CONVERSIONS.get(packet)
         index_put = packet in ("index_put", "index_put_")
-        plan = _OpPlan(func, kind, op_name(func), converts, index_put, positions, names,
+        plan = _OpPlan(func, kind, op_name(func), source, index_put, positions, names,
                        pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
                        func in normops.FORMULAS, func in normops.STATISTICS,
-                       kind is OpKind.EXACT and not (converts or index_put or positions or names))
+                       kind is OpKind.EXACT and source is None and
+                       not (index_put or positions or names))
         _PLANS[id(func)] = plan
     return plan
 
@@ -389,8 +398,9 @@ class RoundingMode(TorchDispatchMode):
             with self:
                 return serve_random_op(func, args, kwargs, self.randomness)
         if kind is OpKind.EXACT and not (plan.index_put and accumulates(func, args, kwargs)):
-            if plan.converts and self._narrows(args, kwargs):
-                out = self._narrowing_copy(func, args, kwargs)
+            source = plan.source
+            if source is not None and (narrowing := self._narrowing(source, args, kwargs)):
+                out = self._narrowing_copy(plan, source, narrowing, args, kwargs)
             else:
                 out = func(*args, **kwargs)
             if plan.positions or plan.names:
@@ -816,19 +826,40 @@ class RoundingMode(TorchDispatchMode):
 
     # -- conversions into the target dtype -------------------------------------------------------
 
-    def _narrows(self, args, kwargs) -> bool:
-        """True for a conversion from a wider floating dtype into the target dtype."""
-        src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
-        dst_dtype = kwargs.get("dtype", args[0].dtype if len(args) > 1 else None)
-        return (dst_dtype == self.policy.target and src.is_floating_point()
-                and src.dtype != self.policy.target and src.dtype.itemsize > dst_dtype.itemsize)
+    def _narrowing(self, source: int, args, kwargs) -> list[int]:
+        """Which of a conversion's sources (argument `source`, `_CONVERSIONS`) it casts into
+        the target dtype from a wider floating dtype: their indices in the foreach form's
+        list, else [0] or []."""
+        if len(args) <= source:
+            return []
+        if source == 0:  # _to_copy: into its dtype=
+            into, sources = [kwargs.get("dtype")], [args[0]]
+        elif isinstance(args[source], (list, tuple)):  # _foreach_copy_
+            into = [d.dtype if isinstance(d, torch.Tensor) else None for d in args[0]]
+            sources = list(args[source])
+        else:
+            into = [args[0].dtype if isinstance(args[0], torch.Tensor) else None]
+            sources = [args[source]]
+        target = self.policy.target
+        return [i for i, (dtype, src) in enumerate(zip(into, sources, strict=True))
+                if dtype == target and isinstance(src, torch.Tensor) and src.is_floating_point()
+                and src.dtype.itemsize > target.itemsize]
 
-    def _narrowing_copy(self, func, args, kwargs):
-        """A cast into the target dtype is a rounding like any other: one site (SPEC §3.2)."""
-        src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else args[0]
-        # a conversion is correctly rounded (IEEE-754 §5.4.2): bound 0
-        (r,) = self.rounder.round_site(op_name(func), [src.to(self.policy.compute)], [None])
-        if len(args) > 1 and isinstance(args[1], torch.Tensor):  # copy_(dst, src)
-            return args[0].copy_(r)
-        # _to_copy: the rest of its request (device, memory format) is an exact copy of r
-        return func(r, **{k: v for k, v in kwargs.items() if k != "dtype"})
+    def _narrowing_copy(self, plan: _OpPlan, source: int, narrowing: list[int], args, kwargs):
+        """A cast into the target dtype is a rounding like any other (SPEC §3.2): the sources
+        that narrow (`_narrowing`) are rounded as one site, with e = 0 (a conversion is
+        correctly rounded, IEEE-754 §5.4.2), and the op then copies their roundings, exactly.
+        So the cast's bits are the rounder's (`bandpass.to_target`): under a bfloat16 target
+        torch's own cast writes a NaN's bits by code path, which differ between machines and
+        layouts."""
+        compute = self.policy.compute
+        listed = isinstance(args[source], (list, tuple))
+        sources = list(args[source]) if listed else [args[source]]
+        rounded = self.rounder.round_site(plan.name, [sources[i].to(compute) for i in narrowing],
+                                          [None] * len(narrowing))
+        for i, r in zip(narrowing, rounded, strict=True):
+            sources[i] = r
+        if source == 0:  # _to_copy: the rest of its request (device, memory format)
+            return plan.func(sources[0], **{k: v for k, v in kwargs.items() if k != "dtype"})
+        args = (*args[:source], sources if listed else sources[0], *args[source + 1:])
+        return plan.func(*args, **kwargs)

@@ -592,6 +592,66 @@ def test_narrowing_copy_is_a_site_with_bound_zero():
     assert spy.log().n_entries == 0
 
 
+BF16 = PrecisionPolicy(torch.float32, torch.bfloat16)
+
+# Every exact op that casts one tensor's values into another's dtype (interceptor._CONVERSIONS),
+# each writing a float32 source into bfloat16: (name, the call, the bfloat16 values it writes,
+# whether torch writes them with its vectorised cast: contiguous, so another NaN than 0x7FC0).
+_CASTS = [
+    ("aten.copy.default", lambda d, s: aten.copy.default(d, s), lambda r: r, True),
+    ("aten.copy_.default", lambda d, s: d.copy_(s), lambda r: r, True),
+    ("aten._foreach_copy_.default", lambda d, s: aten._foreach_copy_.default([d], [s]) or d,
+     lambda r: r, True),
+    ("aten.slice_scatter.default", lambda d, s: aten.slice_scatter.default(d, s), lambda r: r,
+     True),
+    ("aten.select_scatter.default",
+     lambda d, s: aten.select_scatter.default(d.view(1, -1), s, 0, 0), lambda r: r[0], True),
+    ("aten.as_strided_scatter.default",
+     lambda d, s: aten.as_strided_scatter.default(d, s, s.shape, (1,)), lambda r: r, True),
+    ("aten.diagonal_scatter.default",
+     lambda d, s: aten.diagonal_scatter.default(d.view(1, -1).expand(s.numel(), -1).clone(), s),
+     lambda r: r.diagonal(), False),
+    ("aten._to_copy.default", lambda d, s: s.to(torch.bfloat16), lambda r: r, True),
+]
+
+
+@pytest.mark.parametrize("name, call, written, vectorised", _CASTS, ids=[c[0] for c in _CASTS])
+def test_every_cast_into_the_target_is_a_site_with_one_nan(name, call, written, vectorised):
+    """A cast into the target dtype is a site (e = 0) whatever op makes it: `copy` and the
+    scatters cast their source into the first argument's dtype as `copy_` does. torch's own
+    contiguous float32 -> bfloat16 cast writes 0xFFFF for a NaN where its scalar kernel (a
+    strided or 0-d tensor, the isa-default machine) writes 0x7FC0; rounded as a site, every NaN
+    comes out as `BFLOAT16_NAN` (bandpass.to_target) and every other value as torch's
+    nearest-even cast."""
+    from protocol.engine.bandpass import BFLOAT16_NAN
+    src = torch.tensor([float("nan"), -float("nan"), 1.0 + 2.0**-9, 3.0 + 2.0**-8 + 2.0**-20,
+                        -0.0, float("inf")] * 8, dtype=torch.float32)
+    plain = written(call(torch.zeros(src.numel(), dtype=torch.bfloat16), src))
+    spy = Spy(BF16)
+    with RoundingMode(BF16, spy):
+        out = written(call(torch.zeros(src.numel(), dtype=torch.bfloat16), src))
+    assert spy.calls == [(name, src.numel(), False)]
+    assert spy.log().n_entries == 0
+    bits, nan = out.view(torch.int16), src.isnan()
+    assert torch.equal(bits[nan], torch.full_like(bits[nan], BFLOAT16_NAN))
+    assert torch.equal(bits[~nan], plain.view(torch.int16)[~nan])
+    # (the machine's vectorised cast writes another NaN: what the site is there for)
+    assert torch.equal(plain.view(torch.int16)[nan], bits[nan]) != \
+        (vectorised and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
+def test_a_cast_within_the_target_dtype_or_widening_is_no_site():
+    """The conversions copy without a site where nothing narrows: a bfloat16 source, or a
+    bfloat16 destination's values widened into float32."""
+    src = rnd(16, seed=31).to(torch.bfloat16)
+    spy = Spy(BF16)
+    with RoundingMode(BF16, spy):
+        same = aten.slice_scatter.default(torch.zeros(16, dtype=torch.bfloat16), src)
+        up = aten.copy.default(torch.zeros(16), src)
+    assert spy.calls == []
+    assert torch.equal(same, src) and torch.equal(up, src.float())
+
+
 def test_integer_ops_pass_through():
     i, j = torch.arange(10), torch.arange(10, 20)
     spy = Spy()
