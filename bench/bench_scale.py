@@ -22,7 +22,8 @@ to a float32 rounding boundary, at the sites of non-IEEE ops (elements whose cer
 0 are correctly rounded ops, which the old policy also exempted, tau_ieee = 0). A small counting
 wrapper around the recorder counts them; its own time is subtracted from the record step's.
 
-Step times are `StepResult.seconds` (forward, backward, optimizer update); medians over the
+Step times are `StepResult.seconds` (forward, backward, optimizer update, the log decided or
+checked done); medians over the
 steps after `--warmup` (default 1), with their ratios. Memory: the process's peak resident set
 (VmHWM, or `ru_maxrss` where there is no /proc) at the end, and its resident set once every
 executor and S_0 is built, over all roles together (they run in one process); `--memory` adds

@@ -15,7 +15,8 @@ For each built-in program this builds six executors from one initial state S_0:
 
 and runs them interleaved, one step of each per step index, so that a noisy shared machine
 slows all six alike. Warm-up steps are discarded; the table reports medians of the step's own
-wall time (`StepResult.seconds`: forward, backward and optimizer update, not batch assembly) and
+wall time (`StepResult.seconds`: forward, backward and optimizer update, and for record
+and replay the log decided or checked done; not batch assembly) and
 the ratios record/plain32, record/plain64, replay/plain32, replay/record, nearest/plain64,
 plus the log figures (bytes per step, rounded elements, entries, bytes per rounded element,
 ratio to the dense ternary encoding at 1.6 bits per element). Each timed step runs

@@ -150,25 +150,35 @@ def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | Non
     return to_target(flat, policy, out), False
 
 
-# The one bfloat16 NaN a rounding writes (`to_target`): the default quiet NaN, sign clear.
-BFLOAT16_NAN = 0x7FC0
+# The one NaN of each dtype a step computes in (`canonical_nans`): quiet, sign clear, no
+# payload — what Python's float("nan") becomes in each; the fused passes write the float32 one
+# (csrc/band.h `narrow`).
+CANONICAL_NAN = {torch.float64: 0x7FF8000000000000, torch.float32: 0x7FC00000,
+                 torch.bfloat16: 0x7FC0}
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
 
 
 def to_target(values: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """`values` rounded to nearest-even in the target dtype by torch's cast, written to `out`
-    where it is given (`copy_` rounds as `to` does). Under a bfloat16 target every NaN comes
-    out as `BFLOAT16_NAN`: torch's CPU casts into bfloat16 write a NaN's bits by code path —
-    0xFFFF for a float32 NaN from the vectorised kernels (AVX2, AVX-512), 0x7FC0 from the
-    scalar one (a 0-d or strided tensor, or `ATEN_CPU_CAPABILITY=default`) — while states are
-    compared by their hashes (SPEC §2) and a NaN is no rounding site that a log entry could
-    settle (SPEC §3.2), so honest parties on two machines or layouts would otherwise differ in
-    a NaN's bits. A float32 target keeps the cast's NaN: a float64 NaN's float32 cast is the
-    same on every path."""
+    where it is given (`copy_` rounds as `to` does), every NaN as the target's
+    `CANONICAL_NAN`. A NaN is no rounding site that a log entry could settle (SPEC §3.2), and
+    its bits are the machine's: the compute dtype's kernels make NaNs of other signs and
+    payloads by code path (a vectorised float64 log1p or sum against the scalar one, a GPU's
+    0x7FFFFFFF), a float32 cast keeps them, and torch's casts into bfloat16 write 0xFFFF for
+    a float32 NaN from the vectorised kernels (AVX2, AVX-512) and 0x7FC0 from the scalar one
+    (a 0-d or strided tensor, or `ATEN_CPU_CAPABILITY=default`). States are compared by their
+    hashes (SPEC §2), so honest parties on two machines or layouts would otherwise differ in a
+    NaN's bits."""
     r = values.to(policy.target) if out is None else out.copy_(values)
-    if policy.target == torch.bfloat16:
-        r.view(torch.int16).masked_fill_(r.isnan(), BFLOAT16_NAN)
+    canonical_nans(r)
     return r
+
+
+def canonical_nans(t: torch.Tensor) -> None:
+    """Overwrite every NaN of `t` (float64, float32 or bfloat16, any layout) with its dtype's
+    `CANONICAL_NAN`, in place."""
+    t.view(_BITS[t.dtype]).masked_fill_(t.isnan(), CANONICAL_NAN[t.dtype])
 
 
 def apply_entries(flat: torch.Tensor, y: torch.Tensor, bound: Bound, r: torch.Tensor,

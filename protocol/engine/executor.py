@@ -63,7 +63,7 @@ _STEP_LOCK = threading.RLock()
 class StepResult:
     step: int
     loss: float
-    seconds: float
+    seconds: float  # its own wall time: the step, and its log decided (record) or checked done
     log: RoundingLog | None  # the recorded log (record mode) or None
 
 
@@ -300,11 +300,11 @@ class Executor:
                 loss = self._gradients(batch, randomness, rounder)
                 self._update()
             self._after_update()
+            if isinstance(rounder, SiteReplayer):
+                rounder.finish()
+            recorded = rounder.log() if isinstance(rounder, SiteRecorder) else None
             seconds = time.perf_counter() - start
-        if isinstance(rounder, SiteReplayer):
-            rounder.finish()
         self.step_count = t
-        recorded = rounder.log() if isinstance(rounder, SiteRecorder) else None
         return StepResult(t, loss, seconds, recorded)
 
     @contextlib.contextmanager
@@ -460,7 +460,6 @@ class Executor:
                 self._join(parts, params)
                 self._update()
             self._after_update()
-        seconds = time.perf_counter() - start
         recorded = None
         if isinstance(tail, SiteReplayer):
             tail.finish()
@@ -471,6 +470,7 @@ class Executor:
             sites = tuple(site for part_log in logs for site in part_log.sites)
             recorded = RoundingLog(sites + tail.log().sites,
                                    tuple(len(part_log.sites) for part_log in logs))
+        seconds = time.perf_counter() - start
         self.step_count = t
         return StepResult(t, sum(part.loss for part in parts) / k, seconds, recorded)
 

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from protocol.engine import normops, pointwise
+from protocol.engine.bandpass import CANONICAL_NAN, canonical_nans
 from protocol.engine.bounds import FIXED_FORMULA, BoundContext, Rule, bounds_for, rule_of
 from protocol.engine.decompositions import decomposition_of
 from protocol.engine.optable import OpKind, accumulates, mutated_args, op_kind, op_name
@@ -307,6 +308,7 @@ class _OpPlan:
     kind: OpKind
     name: str  # op_name
     source: int | None  # the argument a conversion casts (`_CONVERSIONS`), else None
+    machine_bits: int  # _NAN_AND_ZERO_BITS, _BFLOAT16_NAN_BITS (`_MACHINE_BITS`) or 0
     index_put: bool  # whether it accumulates depends on the call (`optable.accumulates`)
     positions: frozenset[int]  # the arguments it writes (mutated_args)
     names: frozenset[str]
@@ -329,6 +331,26 @@ _PLANS: dict[int, _OpPlan] = {}
 _CONVERSIONS = {"_to_copy": 0, "copy_": 1, "copy": 1, "_foreach_copy_": 1, "slice_scatter": 1,
                 "select_scatter": 1, "diagonal_scatter": 1, "as_strided_scatter": 1}
 
+# Exact ops whose results' NaN bits or zero signs are the machine's (a cross-instruction-set
+# audit of every exact op, run natively and under ATEN_CPU_CAPABILITY=default, on 1 and 2
+# threads and in several layouts). The max/min family, in every floating dtype: the vectorised
+# maximum writes an all-ones NaN where the scalar kernel keeps an operand's, and a max or min
+# over zeros of both signs returns either sign by thread count and layout. Others in bfloat16
+# only: relu, clamp, threshold and the like write 0xFFFF for a NaN from the vectorised kernels,
+# an operand's bits from the scalar one; floor, ceil, round, trunc, abs and neg and the scatters
+# and gathers alike. The interceptor runs them natively, then makes those bits canonical
+# (`RoundingMode._canonical_bits`): every NaN its dtype's one NaN (`bandpass.CANONICAL_NAN`)
+# and, for the max/min family, every zero +0.
+_NAN_AND_ZERO_BITS, _BFLOAT16_NAN_BITS = 1, 2
+_MACHINE_BITS = {
+    **dict.fromkeys(("maximum", "minimum", "max", "min", "amax", "amin", "clamp", "clamp_",
+                     "clamp_min", "clamp_min_", "clamp_max", "clamp_max_"), _NAN_AND_ZERO_BITS),
+    **dict.fromkeys(("relu", "relu_", "hardtanh", "hardtanh_", "threshold",
+                     "threshold_backward", "floor", "floor_", "ceil", "ceil_", "round", "round_",
+                     "trunc", "trunc_", "abs", "abs_", "neg", "neg_", "scatter", "scatter_",
+                     "gather"), _BFLOAT16_NAN_BITS),
+}
+
 # Ops with a positional `input_dtype` naming the dtype of their result: computed wide, it is the
 # compute dtype (`RoundingMode._widen`).
 _INPUT_DTYPE_OPS = frozenset({"_softmax_backward_data", "_log_softmax_backward_data"})
@@ -343,11 +365,12 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
         positions, names = mutated_args(func)
         _, foreach, in_place = pointwise.family(func)
         kind, source = op_kind(func), _CONVERSIONS.get(packet)
+        machine_bits = _MACHINE_BITS.get(packet, 0)
         index_put = packet in ("index_put", "index_put_")
-        plan = _OpPlan(func, kind, op_name(func), source, index_put, positions, names,
-                       pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
+        plan = _OpPlan(func, kind, op_name(func), source, machine_bits, index_put, positions,
+                       names, pointwise.is_fixed(func), pointwise.takes(func), foreach, in_place,
                        func in normops.FORMULAS, func in normops.STATISTICS,
-                       kind is OpKind.EXACT and source is None and
+                       kind is OpKind.EXACT and source is None and not machine_bits and
                        not (index_put or positions or names))
         _PLANS[id(func)] = plan
     return plan
@@ -403,10 +426,27 @@ class RoundingMode(TorchDispatchMode):
                 out = self._narrowing_copy(plan, source, narrowing, args, kwargs)
             else:
                 out = func(*args, **kwargs)
+            if plan.machine_bits:
+                self._canonical_bits(plan.machine_bits, out)
             if plan.positions or plan.names:
                 self._forget_writes(plan, args, kwargs)
             return out
         return self._float_op(plan, func, args, kwargs)
+
+    @staticmethod
+    def _canonical_bits(machine_bits: int, out) -> None:
+        """Make the bits that an exact op's kernel chooses by machine canonical in its
+        floating results (`_MACHINE_BITS`; an in-place op's result is the tensor it wrote):
+        every zero +0 (−0 + 0 = +0, every other value as it is) and every NaN its dtype's one
+        NaN, or under `_BFLOAT16_NAN_BITS` the NaNs of bfloat16 results only."""
+        for leaf in _flatten(out)[0]:
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype not in CANONICAL_NAN:
+                continue  # (a dtype no policy computes in is refused at the first float op)
+            if machine_bits == _NAN_AND_ZERO_BITS:
+                leaf.add_(0.0)
+                canonical_nans(leaf)
+            elif leaf.dtype == torch.bfloat16:
+                canonical_nans(leaf)
 
     def _forget_writes(self, plan: _OpPlan, args, kwargs) -> None:
         for i in plan.positions:
@@ -835,6 +875,8 @@ class RoundingMode(TorchDispatchMode):
         if source == 0:  # _to_copy: into its dtype=
             into, sources = [kwargs.get("dtype")], [args[0]]
         elif isinstance(args[source], (list, tuple)):  # _foreach_copy_
+            if len(args[0]) != len(args[source]):
+                return []  # (the op itself refuses the call)
             into = [d.dtype if isinstance(d, torch.Tensor) else None for d in args[0]]
             sources = list(args[source])
         else:

@@ -115,6 +115,21 @@ OVT_ELEMENT bool infinite(float v) { return (bits_of(v) & kAbsMask32) == kInfBit
 
 OVT_ELEMENT bool not_a_number(float v) { return (bits_of(v) & kAbsMask32) > kInfBits32; }
 
+// The one float32 NaN a rounding writes (bandpass.py `CANONICAL_NAN`): quiet, sign clear.
+constexpr int32_t kQuietNaN32 = 0x7FC00000;
+
+// A float64 value rounded to float32 as every rounding writes it (bandpass.py `to_target`):
+// nearest-even, and a NaN as kQuietNaN32. The conversion itself keeps a NaN's sign and payload
+// on a CPU, and writes 0x7FFFFFFF on a GPU, while the NaNs a float64 kernel makes differ by
+// machine (a vectorised log1p or sum against the scalar one): honest parties would differ in
+// a NaN's bits, and states are compared by hash. A blend of bits on the float32 value (a
+// select there, or on the float64 test, kept the band pass from vectorising: 5x slower).
+OVT_ELEMENT float narrow(double v) {
+  const float r = static_cast<float>(v);
+  const int32_t nan = -static_cast<int32_t>(r != r);  // all ones for a NaN
+  return as_float((bits_of(r) & ~nan) | (kQuietNaN32 & nan));
+}
+
 // Element i's base (bounds.py `Affine`; bandpass.py `_FlatBound.at`, the same operations in the
 // same order). The CPU band pass finds it row by row instead (fused.cpp `scan`), alike.
 OVT_ELEMENT double base_at(const Spec& s, const double* y, int64_t i) {

@@ -66,7 +66,7 @@ __global__ void band_kernel(const Spec s, const double* __restrict__ y, float* _
   const double floor54 = s.floor * kBandScale;
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
     const double v = y[i];
-    r[i] = static_cast<float>(v);
+    r[i] = narrow(v);
     if (in_band(v, scaled_bound(s.scale * base_at(s, y, i), floor54))) {
       const unsigned long long k = atomicAdd(count, 1ULL);
       if (k < capacity) {
@@ -81,7 +81,7 @@ __global__ void band_kernel(const Spec s, const double* __restrict__ y, float* _
 // r = RNE(y), and with `widen` y = r widened (fused.cpp `nearest`).
 __global__ void nearest_kernel(double* y, float* r, int64_t n, bool widen) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const float v = static_cast<float>(y[i]);
+    const float v = narrow(y[i]);
     r[i] = v;
     if (widen) y[i] = static_cast<double>(v);
   }
@@ -100,7 +100,7 @@ __global__ void check_kernel(const Spec s, const double* y, const float* r,
                              float* out, int* bad) {
   for (int64_t k = first_index(); k < count; k += grid_stride()) {
     const int64_t i = entries[2 * k], code = entries[2 * k + 1];
-    const float rv = r != nullptr ? r[i] : static_cast<float>(y[i]);
+    const float rv = r != nullptr ? r[i] : narrow(y[i]);
     if (code < 0 ? !direction_valid(s, y, i, rv, overflow)
                  : !value_valid(s, y, i, code, overflow, wide)) {
       atomicOr(bad, 1);

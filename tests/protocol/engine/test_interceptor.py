@@ -621,9 +621,9 @@ def test_every_cast_into_the_target_is_a_site_with_one_nan(name, call, written, 
     scatters cast their source into the first argument's dtype as `copy_` does. torch's own
     contiguous float32 -> bfloat16 cast writes 0xFFFF for a NaN where its scalar kernel (a
     strided or 0-d tensor, the isa-default machine) writes 0x7FC0; rounded as a site, every NaN
-    comes out as `BFLOAT16_NAN` (bandpass.to_target) and every other value as torch's
+    comes out as the one bfloat16 NaN (bandpass.to_target) and every other value as torch's
     nearest-even cast."""
-    from protocol.engine.bandpass import BFLOAT16_NAN
+    from protocol.engine.bandpass import CANONICAL_NAN
     src = torch.tensor([float("nan"), -float("nan"), 1.0 + 2.0**-9, 3.0 + 2.0**-8 + 2.0**-20,
                         -0.0, float("inf")] * 8, dtype=torch.float32)
     plain = written(call(torch.zeros(src.numel(), dtype=torch.bfloat16), src))
@@ -633,11 +633,68 @@ def test_every_cast_into_the_target_is_a_site_with_one_nan(name, call, written, 
     assert spy.calls == [(name, src.numel(), False)]
     assert spy.log().n_entries == 0
     bits, nan = out.view(torch.int16), src.isnan()
-    assert torch.equal(bits[nan], torch.full_like(bits[nan], BFLOAT16_NAN))
+    assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[torch.bfloat16]))
     assert torch.equal(bits[~nan], plain.view(torch.int16)[~nan])
     # (the machine's vectorised cast writes another NaN: what the site is there for)
     assert torch.equal(plain.view(torch.int16)[nan], bits[nan]) != \
         (vectorised and torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+
+
+# The exact max/min family (interceptor._MACHINE_BITS), each on two tensors.
+_MAX_MIN = {
+    "maximum": lambda a, b: torch.maximum(a, b),
+    "minimum": lambda a, b: torch.minimum(a, b),
+    "max.other": lambda a, b: torch.max(a, b),
+    "clamp.Tensor": lambda a, b: torch.clamp(a, min=b),
+    "clamp_max_.Tensor": lambda a, b: a.clone().clamp_max_(b),
+    "amax": lambda a, b: torch.stack([a, b]).amax(0),
+    "min.dim": lambda a, b: torch.stack([a, b]).min(0).values,
+    "max": lambda a, b: torch.stack([a, b]).max().reshape(1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(_MAX_MIN))
+def test_the_max_min_family_writes_one_nan_and_unsigned_zeros(name, dtype):
+    """torch's max/min kernels choose a NaN's bits (an all-ones NaN from the vectorised ones,
+    an operand's from the scalar one) and the sign of a zero among zeros of both signs by
+    instruction set, thread count and layout; exact ops all the same, each result's NaNs come
+    back as its dtype's one NaN and its zeros as +0, every other value as torch computes it."""
+    policy = BF16 if dtype == torch.bfloat16 else POLICY
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+    nans = {torch.float32: [0x7FC00001, -0x400000], torch.float64: [0x7FF8000000000001, -1],
+            torch.bfloat16: [0x7FC1, -0x40]}[dtype]
+    payload = torch.tensor(nans, dtype=ints[dtype]).view(dtype)
+    a = torch.cat([payload, torch.tensor([-0.0, 0.0, -0.0, 1.5, -2.0, 0.0], dtype=dtype)] * 16)
+    b = torch.cat([torch.tensor([1.0, -0.0, 0.0, -0.0, -0.0, 2.0, -3.0, 0.0], dtype=dtype)] * 16)
+    plain = _MAX_MIN[name](a, b)
+    with RoundingMode(policy, Spy(policy)):
+        got = _MAX_MIN[name](a, b)
+    from protocol.engine.bandpass import CANONICAL_NAN
+    bits, nan, zero = got.view(ints[dtype]), got.isnan(), got == 0
+    assert torch.equal(nan, plain.isnan()) and bool(nan.any())
+    assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[dtype]))
+    assert torch.equal(bits[zero], torch.zeros_like(bits[zero]))
+    assert torch.equal(bits[~nan & ~zero], plain.view(ints[dtype])[~nan & ~zero])
+
+
+def test_a_max_over_zeros_of_both_signs_is_the_same_on_any_thread_count():
+    """torch's max and amax of 2^18 zeros of both signs return +0 on one thread and −0 on two,
+    or the other way round (the cpu-1t and cpu-2t profiles would differ): under the mode both
+    are +0."""
+    zeros = torch.zeros(1 << 18)
+    zeros[::3] = -0.0
+    zeros[5::7] = -0.0
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with RoundingMode(POLICY, Spy()):
+                got.append([zeros.amax(), zeros.max(), zeros.amin(), zeros.min()])
+    finally:
+        torch.set_num_threads(threads)
+    assert [[int(t.view(torch.int32)) for t in row] for row in got] == [[0] * 4] * 2
 
 
 def test_a_cast_within_the_target_dtype_or_widening_is_no_site():

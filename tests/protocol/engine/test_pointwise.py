@@ -18,6 +18,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog
 from protocol.engine import fused, pointwise
+from protocol.engine.bandpass import CANONICAL_NAN
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.rounding import SiteRecorder, SiteReplayer
@@ -58,7 +59,8 @@ def q(v: float) -> float:
 
 
 def reference(code: int, a, b, c, v) -> np.ndarray:
-    """The formula in float64, one correctly rounded numpy operation at a time, cast to float32."""
+    """The formula in float64, one correctly rounded numpy operation at a time, cast to float32,
+    every NaN the one NaN a rounding writes (`bandpass.CANONICAL_NAN`)."""
     a, b = a.astype(np.float64), None if b is None else b.astype(np.float64)
     c = None if c is None else c.astype(np.float64)
     with np.errstate(all="ignore"):
@@ -69,7 +71,9 @@ def reference(code: int, a, b, c, v) -> np.ndarray:
              pointwise.ADDCDIV: lambda: a + v * (b / c),
              pointwise.LERP: lambda: a + v * (b - a),
              pointwise.SQRT: lambda: np.sqrt(a)}[code]()
-        return y.astype(np.float32)
+        r = y.astype(np.float32)
+        r.view(np.int32)[np.isnan(r)] = CANONICAL_NAN[torch.float32]
+        return r
 
 
 def assert_bits(got: torch.Tensor, want: np.ndarray, what: str) -> None:
@@ -201,9 +205,10 @@ def test_square_roots_round_correctly_in_every_form(path, monkeypatch):
 
 @needs_fused
 def test_roots_of_negatives_zeros_and_nans_are_the_torch_paths_bits():
-    """Where IEEE leaves the NaN's sign to the machine, the fused root gives ATen's: +NaN for a
-    negative input (the instruction's is −NaN), a NaN input's own bits, −0 for −0: the same bits
-    as the torch path, every element."""
+    """Where IEEE leaves the NaN's sign and payload to the machine (the instruction's root of a
+    negative is −NaN, ATen's +NaN; a NaN input's root keeps its bits), both paths write the one
+    float32 NaN of every rounding (`bandpass.CANONICAL_NAN`), and −0 for −0: the same bits,
+    every element."""
     bits = [0xBF800000, 0xC0200000, 0xFF800000, 0x80000000, 0x00000000, 0x80000001, 0x7FC00000,
             0xFFC00000, 0x7FC00001, 0xFFC12345, 0x7F800000, 0x3F800000]
     a = torch.tensor(np.array(bits * 700, dtype=np.uint32).view(np.int32)).view(torch.float32)
@@ -214,7 +219,9 @@ def test_roots_of_negatives_zeros_and_nans_are_the_torch_paths_bits():
             with RoundingMode(POLICY, Exact()):
                 out[path] = torch.sqrt(a).view(torch.int32)
     assert torch.equal(out["fused"], out["torch"])
-    assert torch.equal(out["torch"], a.double().sqrt().float().view(torch.int32))
+    aten = a.double().sqrt().float()
+    want = aten.view(torch.int32).masked_fill(aten.isnan(), CANONICAL_NAN[torch.float32])
+    assert torch.equal(out["torch"], want)
 
 
 def quotient_operands(seed: int, n: int = 3001) -> tuple[np.ndarray, np.ndarray]:
@@ -584,8 +591,7 @@ def test_broadcast_mul_add_sub_are_fused_with_the_same_bits():
                 assert _same(got, want), (shape_name, name, which)
     want = reference(pointwise.MUL, s[:4096], np.broadcast_to(t1[:128], (32, 128)).reshape(-1),
                      None, 0.0)
-    assert np.array_equal((x * T(t1[:128].copy())).numpy().reshape(-1).view(np.int32),
-                          want.view(np.int32))
+    assert_bits((x * T(t1[:128].copy())).reshape(-1), want, "the reference")  # (NaNs: torch's)
 
 
 @needs_fused

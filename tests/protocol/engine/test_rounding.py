@@ -23,7 +23,7 @@ import torch
 
 from protocol.codec.roundinglog import RoundingLog, SiteLog, encode_log
 from protocol.engine import fused
-from protocol.engine.bandpass import BFLOAT16_NAN, dense_bounds
+from protocol.engine.bandpass import CANONICAL_NAN, dense_bounds
 from protocol.engine.bounds import SAFETY
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import (
@@ -900,31 +900,33 @@ def test_a_zero_dim_nan_replays_with_its_recorded_bits(policy):
                            b.view(BITS.get(b.dtype, torch.int64)))
 
 
-def test_a_bfloat16_rounding_writes_one_nan_whatever_the_layout():
-    """`to_target`: torch's casts into bfloat16 write a NaN's bits by code path (0xFFFF from
-    the vectorised kernels, 0x7FC0 from the scalar one: a 0-d or strided tensor); every
-    rounding into bfloat16 writes `BFLOAT16_NAN`, into `out` too, and leaves every other value
-    as the cast rounds it. A float32 target keeps the cast's bits, NaNs included."""
+@pytest.mark.parametrize("policy", [F64_F32, F32_BF16], ids=["f64-f32", "f32-bf16"])
+def test_a_rounding_writes_one_nan_whatever_the_layout(policy):
+    """`to_target`: a NaN's bits are the machine's (the compute dtype's kernels make NaNs of
+    other signs and payloads by code path, a float32 cast keeps them; torch's casts into
+    bfloat16 write 0xFFFF from the vectorised kernels and 0x7FC0 from the scalar one: a 0-d or
+    strided tensor); every rounding writes the target's `CANONICAL_NAN`, into `out` too, and
+    every other value as the cast rounds it."""
     from protocol.engine.bandpass import to_target
-    nan_bits = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFFF], dtype=torch.int32)
-    values = torch.cat([nan_bits.view(torch.float32), torch.tensor([1.5, -0.0, 3e38, 1e-40])])
+    if policy is F32_BF16:
+        nan_bits = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFFF], dtype=torch.int32)
+    else:
+        nan_bits = torch.tensor([0x7FF8000000000000, -0x8000000000000, 0x7FF0000000000001,
+                                 0x7FF8000020000000, -1], dtype=torch.int64)
+    values = torch.cat([nan_bits.view(policy.compute),
+                        torch.tensor([1.5, -0.0, 3e38, 1e-40, 1 + 2**-24], dtype=policy.compute)])
     wide = torch.stack([values, values], dim=1)  # each column strided
+    int_of = BITS[policy.target]
+    canonical = CANONICAL_NAN[policy.target]
     for x in (values, wide[:, 0], values[1], values[:1]):
-        r = to_target(x, F32_BF16)
-        assert r.dtype == torch.bfloat16 and r.shape == x.shape
-        bits = r.view(torch.int16).to(torch.int32) & 0xFFFF
-        nan = x.isnan()
-        assert torch.equal(bits[nan], torch.full_like(bits[nan], BFLOAT16_NAN))
-        assert torch.equal(r[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16))
-    out = torch.empty(values.numel(), dtype=torch.bfloat16)
-    assert to_target(wide[:, 1], F32_BF16, out) is out
-    assert torch.equal(out.view(torch.int16), to_target(values, F32_BF16).view(torch.int16))
-    doubles = torch.cat([torch.tensor([-0x8000000000000, 0x7FF0000000000001],
-                                      dtype=torch.int64).view(torch.float64),
-                         torch.tensor([2.5, -1e-300])])
-    for x in (doubles, doubles[::2], doubles[0]):
-        assert torch.equal(to_target(x, F64_F32).view(torch.int32),
-                           x.to(torch.float32).view(torch.int32))
+        r = to_target(x, policy)
+        assert r.dtype == policy.target and r.shape == x.shape
+        bits, nan = r.view(int_of), x.isnan()
+        assert torch.equal(bits[nan], torch.full_like(bits[nan], canonical))
+        assert torch.equal(bits[~nan], x[~nan].to(policy.target).view(int_of))
+    out = torch.empty(values.numel(), dtype=policy.target)
+    assert to_target(wide[:, 1], policy, out) is out
+    assert torch.equal(out.view(int_of), to_target(values, policy).view(int_of))
 
 
 def test_a_nan_written_into_a_strided_view_replays_with_its_recorded_bits():
@@ -949,22 +951,27 @@ def test_a_nan_written_into_a_strided_view_replays_with_its_recorded_bits():
     assert torch.equal(recorded.view(torch.int32), replayed.view(torch.int32))
 
 
-def test_bfloat16_nans_replay_alike_on_the_default_instruction_set(tmp_path):
-    """torch's vectorised bfloat16 casts (AVX2, AVX-512) write 0xFFFF for a float32 NaN where
-    its scalar kernels (`ATEN_CPU_CAPABILITY=default`, the isa-default profile) write 0x7FC0:
-    a log recorded here replays in a process on the default kernels with the same bits, NaNs
-    included (`bandpass.to_target`)."""
+@pytest.mark.parametrize("policy", [F64_F32, F32_BF16], ids=["f64-f32", "f32-bf16"])
+def test_nans_replay_alike_on_the_default_instruction_set(policy, tmp_path):
+    """A NaN's bits differ between torch's vectorised kernels (AVX2, AVX-512) and its scalar
+    ones (`ATEN_CPU_CAPABILITY=default`, the isa-default profile): a float64 log1p or sum
+    gives another sign or payload, a cast into bfloat16 0xFFFF against 0x7FC0. A log recorded
+    here replays in a process on the default kernels with the same bits, NaNs included, each
+    the target's one NaN (`bandpass.to_target`, csrc/band.h `narrow`)."""
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this process runs the default kernels already: no other kernels to compare")
-    rec = SiteRecorder(nan_replay.POLICY)
-    with RoundingMode(nan_replay.POLICY, rec):
-        recorded = nan_replay.bits(nan_replay.nan_program())
+    rec = SiteRecorder(policy)
+    with RoundingMode(policy, rec):
+        recorded = nan_replay.bits(nan_replay.nan_program(policy))
     log_file = tmp_path / "log.bin"
     log_file.write_bytes(encode_log(rec.log()))
-    done = subprocess.run([sys.executable, "-m", "tests.protocol.engine.nan_replay", str(log_file)],
+    done = subprocess.run([sys.executable, "-m", "tests.protocol.engine.nan_replay", policy.name,
+                           str(log_file)],
                           env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
     elsewhere = json.loads(done.stdout)
     assert elsewhere["capability"] == "DEFAULT"
     assert elsewhere["bits"] == recorded
-    assert BFLOAT16_NAN in recorded[1]  # (a NaN was rounded)
+    mask, inf = (0x7FFFFFFF, 0x7F800000) if policy.target == torch.float32 else (0x7FFF, 0x7F80)
+    nans = [b for result in recorded for b in result if b & mask > inf]
+    assert len(nans) >= 3 and set(nans) == {CANONICAL_NAN[policy.target]}
