@@ -292,10 +292,12 @@ def _one_step(execs: dict[str, Executor], t: int, steps: int, warmup: int,
     if "record" in execs:
         counter = OldBandCounter(SiteRecorder(policy), policy)
         rec = execs["record"].step(rounder=counter)
+        start = time.perf_counter()  # (the executor times a recorder's log, not a wrapper's)
         log = counter.inner.log()
+        decided = time.perf_counter() - start
         data = encode_log(log)
         record_hash = state_digest(execs["record"].state())
-        secs["record"], losses["record"] = rec.seconds - counter.seconds, rec.loss
+        secs["record"], losses["record"] = rec.seconds - counter.seconds + decided, rec.loss
     for role, ex in execs.items():
         if role.startswith("replay:"):
             name = role.removeprefix("replay:")

@@ -324,12 +324,15 @@ class _OpPlan:
 _PLANS: dict[int, _OpPlan] = {}
 
 # The exact ops that cast one argument's values into another dtype, by the position of that
-# argument (`_OpPlan.source`): `_to_copy` into its `dtype=`, the others into their first
-# argument's dtype, element by element for the foreach form. A cast into the target dtype among
-# them is a rounding (`RoundingMode._narrowing_copy`). (`_foreach_copy`, out of place, is a
-# FLOAT op: rounded as a site on the widened path.)
-_CONVERSIONS = {"_to_copy": 0, "copy_": 1, "copy": 1, "_foreach_copy_": 1, "slice_scatter": 1,
-                "select_scatter": 1, "diagonal_scatter": 1, "as_strided_scatter": 1}
+# argument (`_OpPlan.source`): `_to_copy` and `to` into the dtype they are asked for
+# (`_asked_dtype`), the others into their first argument's dtype, element by element for the
+# foreach form. A cast into the target dtype among them is a rounding
+# (`RoundingMode._narrowing_copy`). (`to` reaches the mode inside decompositions and under
+# inference mode; `_foreach_copy`, out of place, is a FLOAT op: rounded as a site on the
+# widened path.)
+_CONVERSIONS = {"_to_copy": 0, "to": 0, "copy_": 1, "copy": 1, "_foreach_copy_": 1,
+                "slice_scatter": 1, "select_scatter": 1, "diagonal_scatter": 1,
+                "as_strided_scatter": 1}
 
 # Exact ops whose results' NaN bits or zero signs are the machine's (a cross-instruction-set
 # audit of every exact op, run natively and under ATEN_CPU_CAPABILITY=default, on 1 and 2
@@ -374,6 +377,36 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
                        not (index_put or positions or names))
         _PLANS[id(func)] = plan
     return plan
+
+
+def _in_index_order(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    """Run `index_put` without accumulating by torch's deterministic implementation, which
+    writes a position named twice by the index order, the last write landing: torch leaves that
+    choice to the kernel otherwise, and on two CPU threads (or a GPU) it lands another value
+    than on one."""
+    if torch.are_deterministic_algorithms_enabled():
+        return func(*args, **kwargs)
+    torch.use_deterministic_algorithms(True)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _asked_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The dtype a `_to_copy` or `to` call converts into: its `dtype=`, else the first dtype
+    among its positional arguments (`to.dtype`, `to.device`) or the first tensor's there
+    (`to.other`), else its `out=` tensor's (`_to_copy.out`); None where it keeps the dtype."""
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    for value in args[1:]:
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value.dtype
+    out = kwargs.get("out")
+    return out.dtype if isinstance(out, torch.Tensor) else None
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -424,7 +457,11 @@ class RoundingMode(TorchDispatchMode):
             source = plan.source
             if source is not None and (narrowing := self._narrowing(source, args, kwargs)):
                 out = self._narrowing_copy(plan, source, narrowing, args, kwargs)
+            elif plan.index_put:  # (not accumulating)
+                out = _in_index_order(func, args, kwargs)
             else:
+                if "out" in plan.names:
+                    self._refuse_narrowing_out(func, args, kwargs)
                 out = func(*args, **kwargs)
             if plan.machine_bits:
                 self._canonical_bits(plan.machine_bits, out)
@@ -872,8 +909,8 @@ class RoundingMode(TorchDispatchMode):
         list, else [0] or []."""
         if len(args) <= source:
             return []
-        if source == 0:  # _to_copy: into its dtype=
-            into, sources = [kwargs.get("dtype")], [args[0]]
+        if source == 0:  # _to_copy, to
+            into, sources = [_asked_dtype(args, kwargs)], [args[0]]
         elif isinstance(args[source], (list, tuple)):  # _foreach_copy_
             if len(args[0]) != len(args[source]):
                 return []  # (the op itself refuses the call)
@@ -886,6 +923,24 @@ class RoundingMode(TorchDispatchMode):
         return [i for i, (dtype, src) in enumerate(zip(into, sources, strict=True))
                 if dtype == target and isinstance(src, torch.Tensor) and src.is_floating_point()
                 and src.dtype.itemsize > target.itemsize]
+
+    def _refuse_narrowing_out(self, func, args, kwargs) -> None:
+        """Refuse an exact op asked to write floats wider than the target dtype into a
+        target-dtype `out=` tensor (`cat`, `maximum`, ... with `out=`): torch would cast them
+        there natively, a rounding with no site (SPEC §3.2)."""
+        out = kwargs.get("out")
+        target = self.policy.target
+        if not any(isinstance(o, torch.Tensor) and o.dtype == target
+                   for o in (out if isinstance(out, (list, tuple)) else [out])):
+            return
+        for value in args:
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and \
+                        t.dtype.itemsize > target.itemsize:
+                    raise DeterminismError(
+                        f"{op_name(func)} writes {t.dtype} values into a {target} out= tensor: "
+                        f"that cast is a rounding (SPEC §3.2) which this form would make "
+                        f"without a site; call it without out= and cast its result")
 
     def _narrowing_copy(self, plan: _OpPlan, source: int, narrowing: list[int], args, kwargs):
         """A cast into the target dtype is a rounding like any other (SPEC §3.2): the sources
@@ -901,7 +956,5 @@ class RoundingMode(TorchDispatchMode):
                                           [None] * len(narrowing))
         for i, r in zip(narrowing, rounded, strict=True):
             sources[i] = r
-        if source == 0:  # _to_copy: the rest of its request (device, memory format)
-            return plan.func(sources[0], **{k: v for k, v in kwargs.items() if k != "dtype"})
         args = (*args[:source], sources if listed else sources[0], *args[source + 1:])
-        return plan.func(*args, **kwargs)
+        return plan.func(*args, **kwargs)  # (the rest of the request: device, layout, `out`)

@@ -697,6 +697,87 @@ def test_a_max_over_zeros_of_both_signs_is_the_same_on_any_thread_count():
     assert [[int(t.view(torch.int32)) for t in row] for row in got] == [[0] * 4] * 2
 
 
+_TOS = {  # aten.to's overloads, which reach the mode inside decompositions and inference mode
+    "aten.to.dtype": lambda s: aten.to.dtype(s, torch.bfloat16),
+    "aten.to.device": lambda s: aten.to.device(s, s.device, torch.bfloat16),
+    "aten.to.other": lambda s: aten.to.other(s, torch.zeros(1, dtype=torch.bfloat16)),
+    "aten.to.dtype_layout": lambda s: aten.to.dtype_layout(s, dtype=torch.bfloat16),
+    "aten._to_copy.out": lambda s: aten._to_copy.out(
+        s, out=torch.empty(s.shape, dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("name", list(_TOS))
+def test_every_to_into_the_target_is_a_site_with_one_nan(name):
+    """`to` (in inference mode, and inside decompositions: a bfloat16 tanh's backward) and
+    `_to_copy.out` ask for their dtype otherwise than `_to_copy`'s `dtype=`: each cast into the
+    target is a site all the same, every NaN the one bfloat16 NaN."""
+    from protocol.engine.bandpass import CANONICAL_NAN
+    src = torch.tensor([float("nan"), -float("nan"), 1.0 + 2.0**-9, -0.0] * 16)
+    spy = Spy(BF16)
+    with torch.inference_mode(), RoundingMode(BF16, spy):
+        out = _TOS[name](src)
+    assert spy.calls == [(name, src.numel(), False)]
+    bits, nan = out.view(torch.int16), src.isnan()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[torch.bfloat16]))
+    assert torch.equal(bits[~nan], src[~nan].to(torch.bfloat16).view(torch.int16))
+
+
+def test_a_decomposition_s_cast_into_bfloat16_writes_one_nan():
+    """tanh's backward decomposes through torch._refs, whose type promotion calls `to`: the
+    gradient of a NaN is the one bfloat16 NaN (torch's vectorised cast wrote 0xFFFF there,
+    its scalar one 0x7FC0)."""
+    from protocol.engine.bandpass import CANONICAL_NAN
+    x = torch.full((64,), float("nan"), dtype=torch.bfloat16, requires_grad=True)
+    with RoundingMode(BF16, SiteRecorder(BF16)):
+        torch.tanh(x).sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad.view(torch.int16),
+                       torch.full((64,), CANONICAL_NAN[torch.bfloat16], dtype=torch.int16))
+
+
+def test_an_out_form_casting_into_the_target_is_refused():
+    """An exact op asked to write wider floats into a target-dtype `out=` tensor would cast
+    them natively, a rounding without a site: refused, with what to do instead. The same op
+    writing the target dtype runs."""
+    wide, narrow = torch.randn(8), torch.randn(8).to(torch.bfloat16)
+    with RoundingMode(BF16, Spy(BF16)):
+        with pytest.raises(DeterminismError, match="float32 values into a torch.bfloat16 out="):
+            torch.cat([wide], out=torch.empty(8, dtype=torch.bfloat16))
+        with pytest.raises(DeterminismError, match="without out="):
+            torch.maximum(wide, wide, out=torch.empty(8, dtype=torch.bfloat16))
+        same = torch.cat([narrow], out=torch.empty(8, dtype=torch.bfloat16))
+    assert torch.equal(same, narrow)
+
+
+def test_index_put_writes_repeated_positions_in_index_order_on_any_thread_count():
+    """index_put without accumulating, where positions repeat: torch leaves which write lands
+    to its kernel (two CPU threads land another than one); under the mode the last write in
+    index order lands, on one thread and on two."""
+    g = torch.Generator().manual_seed(5)
+    rows, cols = torch.randint(0, 10, (1 << 18,), generator=g), \
+        torch.randint(0, 100, (1 << 18,), generator=g)
+    values = torch.randn(1 << 18, generator=g)
+    last = {}
+    for i, j, v in zip(rows.tolist(), cols.tolist(), values.tolist(), strict=True):
+        last[i, j] = v
+    want = torch.zeros(10, 100)
+    for (i, j), v in last.items():
+        want[i, j] = v
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 2, 2):  # (natively, nine two-thread runs in ten land other values)
+            torch.set_num_threads(n)
+            x = torch.zeros(10, 100)
+            with RoundingMode(POLICY, Spy()):
+                x.index_put_((rows, cols), values)
+            assert torch.equal(x, want), n
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_a_cast_within_the_target_dtype_or_widening_is_no_site():
     """The conversions copy without a site where nothing narrows: a bfloat16 source, or a
     bfloat16 destination's values widened into float32."""
