@@ -308,7 +308,7 @@ class _OpPlan:
     kind: OpKind
     name: str  # op_name
     source: int | None  # the argument a conversion casts (`_CONVERSIONS`), else None
-    machine_bits: int  # _NAN_AND_ZERO_BITS, _BFLOAT16_NAN_BITS (`_MACHINE_BITS`) or 0
+    machine_bits: int  # _NAN_AND_ZERO_BITS, _NAN_BITS (`_MACHINE_BITS`) or 0
     index_put: bool  # whether it accumulates depends on the call (`optable.accumulates`)
     positions: frozenset[int]  # the arguments it writes (mutated_args)
     names: frozenset[str]
@@ -338,20 +338,22 @@ _CONVERSIONS = {"_to_copy": 0, "to": 0, "copy_": 1, "copy": 1, "_foreach_copy_":
 # audit of every exact op, run natively and under ATEN_CPU_CAPABILITY=default, on 1 and 2
 # threads and in several layouts). The max/min family, in every floating dtype: the vectorised
 # maximum writes an all-ones NaN where the scalar kernel keeps an operand's, and a max or min
-# over zeros of both signs returns either sign by thread count and layout. Others in bfloat16
-# only: relu, clamp, threshold and the like write 0xFFFF for a NaN from the vectorised kernels,
-# an operand's bits from the scalar one; floor, ceil, round, trunc, abs and neg and the scatters
-# and gathers alike. The interceptor runs them natively, then makes those bits canonical
+# over zeros of both signs returns either sign by thread count and layout. Others choose a
+# NaN's bits in bfloat16 on the CPU — relu, clamp, threshold and the like write 0xFFFF for a
+# NaN from the vectorised kernels, an operand's bits from the scalar one; floor, ceil, round,
+# trunc, abs and neg and the scatters and gathers alike — and a GPU's float instructions write
+# its own NaN (0x7FFFFFFF) where the CPU's keep an operand's (not measured here: no GPU was
+# lent to the audit). The interceptor runs them natively, then makes those bits canonical
 # (`RoundingMode._canonical_bits`): every NaN its dtype's one NaN (`bandpass.CANONICAL_NAN`)
 # and, for the max/min family, every zero +0.
-_NAN_AND_ZERO_BITS, _BFLOAT16_NAN_BITS = 1, 2
+_NAN_AND_ZERO_BITS, _NAN_BITS = 1, 2
 _MACHINE_BITS = {
     **dict.fromkeys(("maximum", "minimum", "max", "min", "amax", "amin", "clamp", "clamp_",
                      "clamp_min", "clamp_min_", "clamp_max", "clamp_max_"), _NAN_AND_ZERO_BITS),
     **dict.fromkeys(("relu", "relu_", "hardtanh", "hardtanh_", "threshold",
                      "threshold_backward", "floor", "floor_", "ceil", "ceil_", "round", "round_",
                      "trunc", "trunc_", "abs", "abs_", "neg", "neg_", "scatter", "scatter_",
-                     "gather"), _BFLOAT16_NAN_BITS),
+                     "gather"), _NAN_BITS),
 }
 
 # Ops with a positional `input_dtype` naming the dtype of their result: computed wide, it is the
@@ -475,14 +477,16 @@ class RoundingMode(TorchDispatchMode):
         """Make the bits that an exact op's kernel chooses by machine canonical in its
         floating results (`_MACHINE_BITS`; an in-place op's result is the tensor it wrote):
         every zero +0 (−0 + 0 = +0, every other value as it is) and every NaN its dtype's one
-        NaN, or under `_BFLOAT16_NAN_BITS` the NaNs of bfloat16 results only."""
+        NaN; under `_NAN_BITS` the NaNs of bfloat16 results and of results on a GPU only (on
+        the CPU the other dtypes' kernels keep an operand's NaN, the same on every instruction
+        set)."""
         for leaf in _flatten(out)[0]:
             if not isinstance(leaf, torch.Tensor) or leaf.dtype not in CANONICAL_NAN:
                 continue  # (a dtype no policy computes in is refused at the first float op)
             if machine_bits == _NAN_AND_ZERO_BITS:
                 leaf.add_(0.0)
                 canonical_nans(leaf)
-            elif leaf.dtype == torch.bfloat16:
+            elif leaf.dtype == torch.bfloat16 or not leaf.is_cpu:
                 canonical_nans(leaf)
 
     def _forget_writes(self, plan: _OpPlan, args, kwargs) -> None:

@@ -43,3 +43,29 @@ def test_plain_float32_diverges_between_cpu_and_cuda(program):
         ex.init_state(1)
         runs.append([state_digest((ex.step(), ex.state())[1]) for _ in range(STEPS)])
     assert runs[0] != runs[1]
+
+
+def test_nan_bits_agree_across_cpu_and_cuda():
+    """A GPU writes its own NaN (0x7FFFFFFF) from float arithmetic, conversions and max/min
+    where the CPU keeps an operand's: under the mode every rounding, every max/min and the
+    exact ops of `interceptor._MACHINE_BITS` write the one NaN on both devices — the same bits
+    for sums, products, roots, relu, floor and maximum of NaN-holding tensors."""
+    from protocol.engine.interceptor import RoundingMode
+    from protocol.engine.rounding import SiteRecorder
+
+    policy = PrecisionPolicy()
+    nans = torch.tensor([0x7FC00001, -0x400000, 0x7FC00000], dtype=torch.int32)
+    x = torch.cat([nans.view(torch.float32), torch.tensor([-2.0, 0.5, -0.0, 3.0, 1.0])] * 32)
+
+    def program(t):
+        rows = t.view(32, 8)
+        return [rows.sum(1), t * 0.75, t.sqrt(), t.relu(), t.floor(), torch.maximum(t, -t),
+                rows.amax(0), t.log1p()]
+
+    bits = {}
+    for device in ("cpu", "cuda"):
+        with RoundingMode(policy, SiteRecorder(policy)):
+            outs = program(x.to(device))
+        bits[device] = [o.cpu().view(torch.int32) for o in outs]
+    for cpu, cuda in zip(bits["cpu"], bits["cuda"], strict=True):
+        assert torch.equal(cpu, cuda)
