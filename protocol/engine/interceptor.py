@@ -339,13 +339,14 @@ _CONVERSIONS = {"_to_copy": 0, "to": 0, "copy_": 1, "copy": 1, "_foreach_copy_":
 # threads and in several layouts). The max/min family, in every floating dtype: the vectorised
 # maximum writes an all-ones NaN where the scalar kernel keeps an operand's, and a max or min
 # over zeros of both signs returns either sign by thread count and layout. Others choose a
-# NaN's bits in bfloat16 on the CPU — relu, clamp, threshold and the like write 0xFFFF for a
-# NaN from the vectorised kernels, an operand's bits from the scalar one; floor, ceil, round,
-# trunc, abs and neg and the scatters and gathers alike — and a GPU's float instructions write
-# its own NaN (0x7FFFFFFF) where the CPU's keep an operand's (not measured here: no GPU was
-# lent to the audit). The interceptor runs them natively, then makes those bits canonical
-# (`RoundingMode._canonical_bits`): every NaN its dtype's one NaN (`bandpass.CANONICAL_NAN`)
-# and, for the max/min family, every zero +0.
+# NaN's bits: in bfloat16 on the CPU relu, clamp, threshold and the like write 0xFFFF for a NaN
+# from the vectorised kernels, an operand's bits from the scalar one, and floor, ceil, round,
+# trunc, abs and neg and the scatters and gathers alike; a GPU's float instructions write its
+# own NaN (0x7FFFFFFF) where the CPU's keep an operand's (not measured here: no GPU was lent to
+# the audit); neg turns the one NaN into another. The interceptor runs them natively, then
+# makes those bits canonical (`RoundingMode._canonical_bits`), in every dtype and on every
+# device: every NaN its dtype's one NaN (`bandpass.CANONICAL_NAN`) and, for the max/min family,
+# every zero +0.
 _NAN_AND_ZERO_BITS, _NAN_BITS = 1, 2
 _MACHINE_BITS = {
     **dict.fromkeys(("maximum", "minimum", "max", "min", "amax", "amin", "clamp", "clamp_",
@@ -382,10 +383,20 @@ def _plan_of(func: torch._ops.OpOverload) -> _OpPlan:
 
 
 def _in_index_order(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
-    """Run `index_put` without accumulating by torch's deterministic implementation, which
-    writes a position named twice by the index order, the last write landing: torch leaves that
-    choice to the kernel otherwise, and on two CPU threads (or a GPU) it lands another value
-    than on one."""
+    """Run `index_put` without accumulating so that a position named twice gets its writes in
+    index order, the last one landing: torch leaves that choice to the kernel, and on two CPU
+    threads (or a GPU) it lands another value than on one. On the CPU on one intra-op thread
+    (a switch each step pins already; other threads' ops only run slower meanwhile), on a GPU
+    by torch's deterministic implementation (a process-wide switch too, under which another
+    thread's op without such an implementation would raise: no other thread computes on the
+    GPU during a step)."""
+    if args[0].is_cpu:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
     if torch.are_deterministic_algorithms_enabled():
         return func(*args, **kwargs)
     torch.use_deterministic_algorithms(True)
@@ -393,6 +404,17 @@ def _in_index_order(func: torch._ops.OpOverload, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _copying(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`func`'s arguments (an `aten.to` overload) with `copy=True`: given a tensor of the
+    dtype asked already, `to` would hand it back as it is, in the rounding's layout, where a
+    cast copies into the memory format asked."""
+    names = [a.name for a in func._schema.arguments]
+    where = names.index("copy")
+    if where < len(args):
+        return (*args[:where], True, *args[where + 1:]), kwargs
+    return args, {**kwargs, "copy": True}
 
 
 def _asked_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -462,11 +484,11 @@ class RoundingMode(TorchDispatchMode):
             elif plan.index_put:  # (not accumulating)
                 out = _in_index_order(func, args, kwargs)
             else:
-                if "out" in plan.names:
-                    self._refuse_narrowing_out(func, args, kwargs)
                 out = func(*args, **kwargs)
             if plan.machine_bits:
                 self._canonical_bits(plan.machine_bits, out)
+            elif "out" in plan.names:  # (it may have cast wider floats into its `out`'s dtype)
+                self._canonical_bits(_NAN_BITS, kwargs.get("out"))
             if plan.positions or plan.names:
                 self._forget_writes(plan, args, kwargs)
             return out
@@ -475,19 +497,15 @@ class RoundingMode(TorchDispatchMode):
     @staticmethod
     def _canonical_bits(machine_bits: int, out) -> None:
         """Make the bits that an exact op's kernel chooses by machine canonical in its
-        floating results (`_MACHINE_BITS`; an in-place op's result is the tensor it wrote):
-        every zero +0 (−0 + 0 = +0, every other value as it is) and every NaN its dtype's one
-        NaN; under `_NAN_BITS` the NaNs of bfloat16 results and of results on a GPU only (on
-        the CPU the other dtypes' kernels keep an operand's NaN, the same on every instruction
-        set)."""
+        floating results (`_MACHINE_BITS`; an in-place op's result, and an `out=` form's, is
+        the tensor it wrote): every NaN its dtype's one NaN and, under `_NAN_AND_ZERO_BITS`,
+        every zero +0 (−0 + 0 = +0, every other value as it is)."""
         for leaf in _flatten(out)[0]:
             if not isinstance(leaf, torch.Tensor) or leaf.dtype not in CANONICAL_NAN:
                 continue  # (a dtype no policy computes in is refused at the first float op)
             if machine_bits == _NAN_AND_ZERO_BITS:
                 leaf.add_(0.0)
-                canonical_nans(leaf)
-            elif leaf.dtype == torch.bfloat16 or not leaf.is_cpu:
-                canonical_nans(leaf)
+            canonical_nans(leaf)
 
     def _forget_writes(self, plan: _OpPlan, args, kwargs) -> None:
         for i in plan.positions:
@@ -928,24 +946,6 @@ class RoundingMode(TorchDispatchMode):
                 if dtype == target and isinstance(src, torch.Tensor) and src.is_floating_point()
                 and src.dtype.itemsize > target.itemsize]
 
-    def _refuse_narrowing_out(self, func, args, kwargs) -> None:
-        """Refuse an exact op asked to write floats wider than the target dtype into a
-        target-dtype `out=` tensor (`cat`, `maximum`, ... with `out=`): torch would cast them
-        there natively, a rounding with no site (SPEC §3.2)."""
-        out = kwargs.get("out")
-        target = self.policy.target
-        if not any(isinstance(o, torch.Tensor) and o.dtype == target
-                   for o in (out if isinstance(out, (list, tuple)) else [out])):
-            return
-        for value in args:
-            for t in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and \
-                        t.dtype.itemsize > target.itemsize:
-                    raise DeterminismError(
-                        f"{op_name(func)} writes {t.dtype} values into a {target} out= tensor: "
-                        f"that cast is a rounding (SPEC §3.2) which this form would make "
-                        f"without a site; call it without out= and cast its result")
-
     def _narrowing_copy(self, plan: _OpPlan, source: int, narrowing: list[int], args, kwargs):
         """A cast into the target dtype is a rounding like any other (SPEC §3.2): the sources
         that narrow (`_narrowing`) are rounded as one site, with e = 0 (a conversion is
@@ -961,4 +961,6 @@ class RoundingMode(TorchDispatchMode):
         for i, r in zip(narrowing, rounded, strict=True):
             sources[i] = r
         args = (*args[:source], sources if listed else sources[0], *args[source + 1:])
+        if plan.func.overloadpacket is torch.ops.aten.to:  # a copy, as the cast was: in the
+            args, kwargs = _copying(plan.func, args, kwargs)  # layout asked, not the rounding's
         return plan.func(*args, **kwargs)  # (the rest of the request: device, layout, `out`)

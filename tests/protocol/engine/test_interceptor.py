@@ -678,6 +678,28 @@ def test_the_max_min_family_writes_one_nan_and_unsigned_zeros(name, dtype):
     assert torch.equal(bits[~nan & ~zero], plain.view(ints[dtype])[~nan & ~zero])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_ops_that_choose_a_nan_write_the_one_nan(dtype):
+    """relu, floor, abs, neg and gather write a NaN's bits by kernel (0xFFFF from torch's
+    vectorised bfloat16 kernels, a GPU's own NaN, a flipped sign from neg): under the mode every
+    NaN they write is the one NaN of its dtype, on every device, every other value as torch's."""
+    from protocol.engine.bandpass import CANONICAL_NAN
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
+    payload = torch.tensor([0x7FC00001, -0x400000] if dtype == torch.float32 else
+                           [0x7FC1, -0x40], dtype=ints).view(dtype)
+    x = torch.cat([payload, torch.tensor([-1.5, 2.5, -0.0], dtype=dtype)] * 16)
+    calls = [torch.relu, torch.floor, torch.abs, torch.neg,
+             lambda t: t.gather(0, torch.arange(t.numel() - 1, -1, -1))]
+    for call in calls:
+        plain = call(x)
+        with RoundingMode(BF16 if dtype == torch.bfloat16 else POLICY, Spy()):
+            got = call(x)
+        bits, nan = got.view(ints), plain.isnan()
+        assert torch.equal(got.isnan(), nan) and bool(nan.any())
+        assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[dtype]))
+        assert torch.equal(bits[~nan], plain.view(ints)[~nan])
+
+
 def test_a_max_over_zeros_of_both_signs_is_the_same_on_any_thread_count():
     """torch's max and amax of 2^18 zeros of both signs return +0 on one thread and −0 on two,
     or the other way round (the cpu-1t and cpu-2t profiles would differ): under the mode both
@@ -737,18 +759,39 @@ def test_a_decomposition_s_cast_into_bfloat16_writes_one_nan():
                        torch.full((64,), CANONICAL_NAN[torch.bfloat16], dtype=torch.int16))
 
 
-def test_an_out_form_casting_into_the_target_is_refused():
-    """An exact op asked to write wider floats into a target-dtype `out=` tensor would cast
-    them natively, a rounding without a site: refused, with what to do instead. The same op
-    writing the target dtype runs."""
-    wide, narrow = torch.randn(8), torch.randn(8).to(torch.bfloat16)
-    with RoundingMode(BF16, Spy(BF16)):
-        with pytest.raises(DeterminismError, match="float32 values into a torch.bfloat16 out="):
-            torch.cat([wide], out=torch.empty(8, dtype=torch.bfloat16))
-        with pytest.raises(DeterminismError, match="without out="):
-            torch.maximum(wide, wide, out=torch.empty(8, dtype=torch.bfloat16))
-        same = torch.cat([narrow], out=torch.empty(8, dtype=torch.bfloat16))
-    assert torch.equal(same, narrow)
+def test_an_out_form_casting_into_the_target_writes_one_nan():
+    """An exact op asked to write wider floats into a target-dtype `out=` tensor casts them
+    natively (correctly rounded, the same values on every machine, but torch's vectorised cast
+    into bfloat16 writes 0xFFFF for a NaN): every NaN it writes is the one NaN, every other
+    value torch's. Comparisons into a float `out=` and same-dtype forms run as they are."""
+    from protocol.engine.bandpass import CANONICAL_NAN
+    wide = torch.tensor([float("nan"), 1.0 + 2.0**-9, -0.0, 3.0] * 16)
+    calls = {
+        "cat": lambda out: torch.cat([wide], out=out),
+        "stack": lambda out: torch.stack([wide], out=out.view(1, -1)).view(-1),
+        "eq": lambda out: torch.eq(wide, 1.0, out=out),
+    }
+    for name, call in calls.items():
+        plain = call(torch.empty(64, dtype=torch.bfloat16))
+        with RoundingMode(BF16, Spy(BF16)):
+            got = call(torch.empty(64, dtype=torch.bfloat16))
+        bits, nan = got.view(torch.int16), plain.isnan()
+        assert torch.equal(got.isnan(), nan), name
+        assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[torch.bfloat16]))
+        assert torch.equal(bits[~nan], plain.view(torch.int16)[~nan]), name
+
+
+def test_a_to_into_the_target_keeps_the_memory_format_asked():
+    """A cast copies into the memory format it is asked for: the rounding handed to `to`
+    (already of the dtype asked) is copied, not handed back in its own layout."""
+    x = torch.randn(4, 5).t()
+    native = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
+    with torch.inference_mode(), RoundingMode(BF16, Spy(BF16)):
+        got = x.to(torch.bfloat16, memory_format=torch.contiguous_format)
+        kept = x.to(torch.bfloat16)  # (preserve_format: the source's strides, as natively)
+    assert got.is_contiguous() and got.stride() == native.stride()
+    assert kept.stride() == x.to(torch.bfloat16).stride()
+    assert torch.equal(got.view(torch.int16), native.view(torch.int16))
 
 
 def test_index_put_writes_repeated_positions_in_index_order_on_any_thread_count():
