@@ -10,6 +10,8 @@
 //   to (`widen_back`), the site's values overwritten with their roundings widened, so that
 //   they serve as the compute-dtype copy of the result (interceptor.py `WidenCache.note`);
 // - nearest, a cast and that write-back, for a result whose bounds are not read;
+// - decide, the recorder's decision on its band candidates (rounding.py `SiteRecorder._decide`):
+//   which are entries, and of which kind, with the same tests as its torch ops;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
 //   each entry's validity checked and, where all are valid, the logged roundings applied, as
 //   `_apply_directions` and `_apply_values` do it with torch ops;
@@ -635,6 +637,34 @@ void nearest(const at::Tensor& y, const at::Tensor& r) {
       widen_range(yp, rp, b, e);
     }
   });
+}
+
+// Each band candidate's decision (rounding.py `SiteRecorder._decide`, the same tests on the same
+// float64 operations): 0 where it is no entry (a y that is not finite, or δ > 2e), 3 for a value
+// entry (wide · e >= the ULP of r = RNE(y)), else a direction: 2 where |r| > |y| (rounded away
+// from zero), 1 where not. Candidates are few (a step's, about 1,600 in the transformer's), so
+// one thread; the torch ops took a dozen passes of their own fixed cost.
+at::Tensor decide(const at::Tensor& y, const at::Tensor& e, double overflow, double wide) {
+  TORCH_CHECK(y.is_cpu() && e.is_cpu() && y.scalar_type() == at::kDouble &&
+                  e.scalar_type() == at::kDouble && y.is_contiguous() && e.is_contiguous() &&
+                  y.dim() == 1 && y.sizes() == e.sizes(),
+              "decide: y and e must be contiguous 1-D float64 CPU tensors of one size");
+  const int64_t n = y.numel();
+  at::Tensor kind = at::empty({n}, y.options().dtype(at::kByte));
+  const double* yp = y.data_ptr<double>();
+  const double* ep = e.data_ptr<double>();
+  uint8_t* kp = kind.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const double yv = yp[i], ev = ep[i];
+    const float r = static_cast<float>(yv);
+    uint8_t k = 0;
+    if (ovt::finite(yv) && boundary_distance(yv, r, overflow) <= 2 * ev) {
+      const bool up = magnitude(static_cast<double>(r)) > magnitude(yv);
+      k = wide * ev >= target_ulp(r) ? 3 : (up ? 2 : 1);
+    }
+    kp[i] = k;
+  }
+  return kind;
 }
 
 // The roundings that the entries of one result give, where every entry in its range is valid
@@ -1735,6 +1765,7 @@ TORCH_LIBRARY(ovt, lib) {
       "int inner, int rows, float scale, float floor, float weight, bool widen_back) "
       "-> (Tensor, Tensor, Tensor, bool)");
   lib.def("nearest(Tensor(b!) y, Tensor(a!) r) -> ()");
+  lib.def("decide(Tensor y, Tensor e, float overflow, float wide) -> Tensor");
   lib.def(
       "sum_bound(Tensor x, int a, int b, int c, bool keep_middle, float scale, "
       "float floor, float slack, float limit) -> Tensor");
@@ -1786,6 +1817,7 @@ TORCH_LIBRARY(ovt, lib) {
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("nearest", &nearest);
+  lib.impl("decide", &decide);
   lib.impl("pointwise", &pointwise);
   lib.impl("small_quotients", &small_quotients);
   lib.impl("pointwise_list", &pointwise_list);

@@ -669,3 +669,42 @@ def test_replayed_entries_beside_empty_results(monkeypatch):
         site = SiteLog(1, np.array([0], dtype=np.int64), np.array([True]))
         verdict, applied = same_replay([empty, y], [bound, 1e-10], site, monkeypatch)
         assert verdict == "ok" and applied == [True]  # (no entry falls in the empty result)
+
+
+@needs_fused
+def test_the_entry_decisions_are_the_torch_ops_decisions(monkeypatch):
+    """`rounding.entry_kinds`, one C++ call (`decide`) against the torch ops, on the candidates
+    where a decision can go either way: values at float32 rounding boundaries and a few float64
+    ULPs off them (normal, at powers of two, subnormal, at the overflow threshold), zeros,
+    infinities and NaNs, each with bounds from 0 to +inf around its distance — the same kind
+    (none, down, up, value) for every one."""
+    from protocol.engine.rounding import entry_kinds
+    policy = PrecisionPolicy()
+    rng = np.random.default_rng(11)
+    r = np.concatenate([rng.standard_normal(300).astype(np.float32),
+                        np.float32(2.0) ** rng.integers(-149, 128, 200).astype(np.float32),
+                        np.array([np.finfo(np.float32).max, np.finfo(np.float32).tiny,
+                                  np.float32(1.4e-45), 0.0], dtype=np.float32)])
+    r = np.concatenate([r, -r]).astype(np.float64)
+    with np.errstate(over="ignore"):  # (the largest float32's next one: +inf)
+        ulp = np.spacing(np.abs(r).astype(np.float32)).astype(np.float64)
+    boundaries = np.concatenate([r + ulp / 2, r - ulp / 2, r - ulp / 4, r])
+    steps = np.array([-3, -1, 0, 1, 3], dtype=np.float64)
+    y = (boundaries[:, None] + steps[None, :] * np.spacing(np.abs(boundaries))[:, None]).ravel()
+    y = np.concatenate([y, [np.inf, -np.inf, np.nan, 3.4028235677973366e38, -0.0]])
+    distance = np.abs(np.spacing(np.abs(y)))
+    scales = np.array([0.0, 0.25, 0.5, 1.0, 2.0, 2.0**20, np.inf])
+    zero_bounds = [0.0, 1e-300, 2.0**-160, 2.0**-20, 1.0, 1e30, np.inf]  # (zeros' candidates)
+    finite = y[np.isfinite(y)]
+    with np.errstate(over="ignore"):  # bounds of exactly WIDE·e = the rounding's float32 ULP
+        at_wide = target_ulp(torch.from_numpy(finite).float(), policy).numpy() / 16
+    yy = np.concatenate([np.repeat(y, scales.size), np.zeros(len(zero_bounds)), finite])
+    e = np.concatenate([np.nan_to_num((distance[:, None] * scales[None, :]).ravel(), nan=np.inf),
+                        zero_bounds, at_wide])
+    yt, et = torch.from_numpy(yy.copy()), torch.from_numpy(e.copy())
+    fused_kinds = entry_kinds(yt, et, policy)
+    monkeypatch.setattr(fused, "ENABLED", False)
+    torch_kinds = entry_kinds(yt, et, policy)
+    assert fused_kinds.dtype == torch_kinds.dtype == np.uint8
+    assert np.array_equal(fused_kinds, torch_kinds)
+    assert {0, 1, 2, 3} <= set(np.unique(fused_kinds).tolist())  # (every decision was met)
