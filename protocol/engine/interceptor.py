@@ -325,7 +325,7 @@ _PLANS: dict[int, _OpPlan] = {}
 
 # The exact ops that cast one argument's values into another dtype, by the position of that
 # argument (`_OpPlan.source`): `_to_copy` and `to` into the dtype they are asked for
-# (`_asked_dtype`), the others into their first argument's dtype, element by element for the
+# (`_cast_dtype`), the others into their first argument's dtype, element by element for the
 # foreach form. A cast into the target dtype among them is a rounding
 # (`RoundingMode._narrowing_copy`). (`to` reaches the mode inside decompositions and under
 # inference mode; `_foreach_copy`, out of place, is a FLOAT op: rounded as a site on the
@@ -417,7 +417,7 @@ def _copying(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tu
     return args, {**kwargs, "copy": True}
 
 
-def _asked_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+def _cast_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The dtype a `_to_copy` or `to` call converts into: its `dtype=`, else the first dtype
     among its positional arguments (`to.dtype`, `to.device`) or the first tensor's there
     (`to.other`), else its `out=` tensor's (`_to_copy.out`); None where it keeps the dtype."""
@@ -932,7 +932,7 @@ class RoundingMode(TorchDispatchMode):
         if len(args) <= source:
             return []
         if source == 0:  # _to_copy, to
-            into, sources = [_asked_dtype(args, kwargs)], [args[0]]
+            into, sources = [_cast_dtype(args, kwargs)], [args[0]]
         elif isinstance(args[source], (list, tuple)):  # _foreach_copy_
             if len(args[0]) != len(args[source]):
                 return []  # (the op itself refuses the call)

@@ -9,7 +9,8 @@
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation; and, asked
 //   to (`widen_back`), the site's values overwritten with their roundings widened, so that
 //   they serve as the compute-dtype copy of the result (interceptor.py `WidenCache.note`);
-// - nearest, a cast and that write-back, for a result whose bounds are not read;
+// - nearest, a cast and that write-back, for a result whose bounds are not read; narrow_into,
+//   the cast alone (bandpass.py `to_target`);
 // - decide, the recorder's decision on its band candidates (rounding.py `SiteRecorder._decide`):
 //   which are entries, and of which kind, with the same tests as its torch ops;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
@@ -621,6 +622,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
     vp = std::copy(found_values[k].begin(), found_values[k].end(), vp);
   }
   return {candidates, bounds, values, widen};
+}
+
+// y rounded to nearest-even into r (a cast, as `to` does, every NaN the one NaN), y as it was:
+// `bandpass.to_target` in one pass, where the cast and the NaNs' check took three ops.
+void narrow_into(const at::Tensor& y, const at::Tensor& r) {
+  const int64_t n = site_length(y, r, "narrow_into");
+  const double* yp = y.data_ptr<double>();
+  float* rp = r.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    narrow_range(yp, rp, begin, end);
+  });
 }
 
 // y rounded to nearest-even into r (a cast, as `to` does) and y overwritten with r widened,
@@ -1765,6 +1777,7 @@ TORCH_LIBRARY(ovt, lib) {
       "int inner, int rows, float scale, float floor, float weight, bool widen_back) "
       "-> (Tensor, Tensor, Tensor, bool)");
   lib.def("nearest(Tensor(b!) y, Tensor(a!) r) -> ()");
+  lib.def("narrow_into(Tensor y, Tensor(a!) r) -> ()");
   lib.def("decide(Tensor y, Tensor e, float overflow, float wide) -> Tensor");
   lib.def(
       "sum_bound(Tensor x, int a, int b, int c, bool keep_middle, float scale, "
@@ -1817,6 +1830,7 @@ TORCH_LIBRARY(ovt, lib) {
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("nearest", &nearest);
+  lib.impl("narrow_into", &narrow_into);
   lib.impl("decide", &decide);
   lib.impl("pointwise", &pointwise);
   lib.impl("small_quotients", &small_quotients);
