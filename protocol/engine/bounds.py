@@ -51,9 +51,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from protocol.engine import fused, normops
 from protocol.engine.precision import PrecisionPolicy, holds_integer, target_ulp
@@ -143,8 +145,19 @@ class Rule:
     unsigned_zero: bool = False
 
 
+class _MatrixNorms(NamedTuple):
+    """A `BoundContext.norms` entry: both norms of the matrices of one view of the storage
+    `source` refers to (its identity, without keeping its memory alive), made at `version`."""
+
+    source: StorageWeakRef
+    version: int
+    rows: torch.Tensor  # (batch, rows): each row's norm over its columns
+    cols: torch.Tensor  # (batch, cols): each column's norm over its rows
+
+
 class BoundContext:
-    """The compute dtype's constants a rule needs."""
+    """The compute dtype's constants a rule needs, and the matrix norms of one step's operands
+    (`norms`)."""
 
     def __init__(self, policy: PrecisionPolicy) -> None:
         self.policy = policy
@@ -152,6 +165,38 @@ class BoundContext:
         self.tiny = policy.tiny
         self.smallest_normal = float(torch.finfo(policy.compute).smallest_normal)
         self.ulp_factor = _FLOAT32_FACTOR if policy.compute == torch.float32 else 1.0
+        self._matrices: dict[int, dict[tuple, _MatrixNorms]] = {}  # per storage address
+
+    def norms(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """`_norms(x, dim)`, the same bits. A matmul reads each matrix a second time along its
+        other dimension (a linear layer's backward: its weights, its input and its output's
+        gradient), so for a matrix, or a batch of them, whose rows lie adjacent in memory
+        (`_matrix_view`) both directions come from one read (`torch.ops.ovt.matrix_norms`, in
+        the orders of `norms`), and the other is kept for that second read: where it is still
+        the same storage at the same version (a write the interceptor executes bumps no
+        version: it calls `forget`). A cache-cold operand's two reads cost twice its one
+        (issue 13)."""
+        view = _matrix_view(x.shape, x.stride(), dim) if fused.own_arithmetic(x) and \
+            x.dtype in (torch.float64, torch.float32) and not x.is_inference() else None
+        if view is None:  # (an inference tensor has no version to check an entry by)
+            return _norms(x, dim)
+        layout, along_columns, kept = view
+        storage = x.untyped_storage()
+        entries = self._matrices.setdefault(storage.data_ptr(), {})
+        key = (x.dtype, x.storage_offset(), *layout)
+        entry = entries.get(key)
+        if entry is None or entry.version != x._version or \
+                entry.source.cdata != storage._cdata:
+            rows, cols = torch.ops.ovt.matrix_norms(x, *layout)
+            entry = entries[key] = _MatrixNorms(StorageWeakRef(storage), x._version, rows, cols)
+        return (entry.rows if along_columns else entry.cols).view(kept)
+
+    def forget(self, written) -> None:
+        """Drop the norms kept of the storage of `written` (a tensor or a list of them), which
+        the interceptor is writing (`norms`)."""
+        for t in written if isinstance(written, (list, tuple)) else (written,):
+            if isinstance(t, torch.Tensor):
+                self._matrices.pop(t.untyped_storage().data_ptr(), None)
 
     def gamma(self, k: int) -> float:
         """γ_K = K·u / (1 − K·u) (Higham, §3.1)."""
@@ -218,10 +263,12 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
     (`torch.ops.ovt.norms`, no squared copy: a row adjacent in memory in float64 lanes, 1.1–1.4×
     `vector_norm`'s speed on float64 rows; along any other dimension, a transposed view's rows
     or a matrix's columns, the squares summed along `dim` into float64 accumulators, adjacent
-    results together). Else along a dimension adjacent in memory `vector_norm`; along any other
-    the squares summed with torch ops — on the CPU from `_NORMS_BLOCKED` elements a block of
-    `_NORM_BLOCK` at a time, the block sums added up, so that the squares stay in the cache. Any
-    order of the sum is within the reduction rule's own error, which `SAFETY` covers."""
+    results together, in runs of 64 terms whose sums are added in order: the order
+    `BoundContext.norms` keeps, reading both directions of a matrix at once). Else along a
+    dimension adjacent in memory `vector_norm`; along any other the squares summed with torch
+    ops — on the CPU from `_NORMS_BLOCKED` elements a block of `_NORM_BLOCK` at a time, the
+    block sums added up, so that the squares stay in the cache. Any order of the sum is within
+    the reduction rule's own error, which `SAFETY` covers."""
     if x.shape[dim] == 1:  # |x| (one term a norm: no pass of sums to make)
         return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float64)
     if fused.own_arithmetic(x) and x.dtype in (torch.float64, torch.float32):
@@ -247,6 +294,42 @@ def _norms(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 _NORMS_BLOCKED = 1 << 21
 _NORM_BLOCK = 1 << 17
+
+# `BoundContext.norms` takes matrices whose rows are at most `norms`'s one run (csrc/fused.cpp
+# kGrain), which it sums in one lane order (a longer one in blocks).
+_MATRIX_ROW_MAX = 1 << 15
+
+
+@lru_cache(maxsize=4096)
+def _matrix_view(shape: Sequence[int], strides: Sequence[int], dim: int
+                 ) -> tuple[tuple[int, int, int, int, int], bool, tuple[int, ...]] | None:
+    """((batch, rows, cols, batch stride, row stride), along_columns, kept shape): a tensor of
+    `shape` and `strides` (2-D, or 3-D with a batch dimension first that `dim` does not reduce)
+    as matrices whose rows lie adjacent in memory — its last two dimensions in either order,
+    the one of stride 1 the columns — as `matrix_norms` reads them; `along_columns` where `dim`
+    is the columns' dimension (each row's norm), and the shape of the norms (`shape` without
+    `dim`). None where it is not such a view (rows one element apart, as `unfold` makes, are
+    not: `norms` sums along them in lanes), a dimension has one element (`_norms` takes |x|
+    there), or a row is longer than `matrix_norms` takes."""
+    nd = len(shape)
+    if nd not in (2, 3) or not -nd <= dim < nd:
+        return None
+    dim %= nd
+    first = nd - 2  # the matrices' first dimension
+    if dim < first or min(shape[first:]) < 2:
+        return None
+    if strides[-1] == 1:
+        row_dim, col_dim = first, first + 1
+    elif strides[-2] == 1:
+        row_dim, col_dim = first + 1, first
+    else:
+        return None
+    if shape[col_dim] > _MATRIX_ROW_MAX or strides[row_dim] < 0 or strides[row_dim] == 1:
+        return None  # (rows one element apart, an overlapping view: `norms` sums them in lanes)
+    batch, batch_stride = (shape[0], strides[0]) if nd == 3 else (1, 0)
+    kept = tuple(n for d, n in enumerate(shape) if d != dim)
+    return ((batch, shape[row_dim], shape[col_dim], batch_stride, strides[row_dim]),
+            dim == col_dim, kept)
 
 
 @lru_cache(maxsize=4096)
@@ -692,7 +775,7 @@ def _mm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """mm(a, b): C_ij is a K-term inner product; Σ_k |a_ik·b_kj| <= ‖a_i‖·‖b_j‖ (Cauchy–Schwarz),
     an outer product of norms: O(M·K + K·N + M·N) work against the GEMM's O(M·K·N)."""
     a, b = args[0], args[1]
-    return [ctx.sum_bound(a.shape[1], _norms(a, 1), _norms(b, 0))]
+    return [ctx.sum_bound(a.shape[1], ctx.norms(a, 1), ctx.norms(b, 0))]
 
 
 def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -701,13 +784,13 @@ def _addmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
     add = _times(beta, c.abs()) if beta != 0 else None
-    return [ctx.sum_bound(a.shape[1] + 2, _times(alpha, _norms(a, 1)), _norms(b, 0), add)]
+    return [ctx.sum_bound(a.shape[1] + 2, _times(alpha, ctx.norms(a, 1)), ctx.norms(b, 0), add)]
 
 
 def _bmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     """bmm: mm per batch (Cauchy–Schwarz per batch, row and column)."""
     a, b = args[0], args[1]
-    return [ctx.sum_bound(a.shape[2], _norms(a, 2), _norms(b, 1))]
+    return [ctx.sum_bound(a.shape[2], ctx.norms(a, 2), ctx.norms(b, 1))]
 
 
 def _baddbmm(ctx, func, args, kwargs, ys) -> list[Bound]:
@@ -715,7 +798,7 @@ def _baddbmm(ctx, func, args, kwargs, ys) -> list[Bound]:
     c, a, b = args[0], args[1], args[2]
     beta, alpha = _arg(args, kwargs, 3, "beta", 1), _arg(args, kwargs, 4, "alpha", 1)
     add = _times(beta, c.abs()) if beta != 0 else None
-    return [ctx.sum_bound(a.shape[2] + 2, _times(alpha, _norms(a, 2)), _norms(b, 1), add)]
+    return [ctx.sum_bound(a.shape[2] + 2, _times(alpha, ctx.norms(a, 2)), ctx.norms(b, 1), add)]
 
 
 def _mv(ctx, func, args, kwargs, ys) -> list[Bound]:

@@ -166,8 +166,9 @@ class WidenCache:
 
     def widen(self, t: torch.Tensor) -> torch.Tensor:
         """`t.to(self.compute)`, as a view of a cached span where one covers `t`; a tensor of
-        fewer than `cache_from` elements afresh."""
-        if t.numel() < self.cache_from:
+        fewer than `cache_from` elements, or an inference tensor (`torch.inference_mode`: it
+        has no version counter to check an entry by), afresh."""
+        if t.numel() < self.cache_from or t.is_inference():  # (no version to check it by)
             return t.to(self.compute)
         first = int(t.storage_offset())
         if t.is_contiguous():
@@ -201,8 +202,9 @@ class WidenCache:
     def note(self, r: torch.Tensor, wide: torch.Tensor) -> None:
         """Take `wide`, a contiguous compute-dtype tensor equal to `r.to(self.compute)`, as the
         widened copy of `r`'s memory: `r` contiguous and not empty, `wide` nobody else's. One
-        of fewer than `cache_from` elements is not kept (`widen` serves none)."""
-        if r.numel() < self.cache_from:
+        of fewer than `cache_from` elements, or an inference tensor, is not kept (`widen`
+        serves none)."""
+        if r.numel() < self.cache_from or r.is_inference():
             return
         storage = r.untyped_storage()
         self._add((storage.data_ptr(), r.device),
@@ -507,13 +509,20 @@ class RoundingMode(TorchDispatchMode):
                 leaf.add_(0.0)
             canonical_nans(leaf)
 
+    def _forget(self, written) -> None:
+        """What the interceptor keeps of the memory of `written` (a tensor or a list of them),
+        which it writes without bumping a version counter: widened copies (`WidenCache`) and
+        matrix norms (`BoundContext.norms`)."""
+        self._widened.forget(written)
+        self._bounds.forget(written)
+
     def _forget_writes(self, plan: _OpPlan, args, kwargs) -> None:
         for i in plan.positions:
             if i < len(args):
-                self._widened.forget(args[i])
+                self._forget(args[i])
         for name in plan.names:
             if name in kwargs:
-                self._widened.forget(kwargs[name])
+                self._forget(kwargs[name])
 
     # -- FLOAT ops -----------------------------------------------------------------------------
 
@@ -609,7 +618,7 @@ class RoundingMode(TorchDispatchMode):
                 return None
             results = pointwise.run_list(listed, in_place)
             if in_place:
-                self._widened.forget(listed.a)
+                self._forget(listed.a)
                 return (None,)
             return (results,)
         elements = pointwise.operands(plan.func, args, kwargs)
@@ -622,7 +631,7 @@ class RoundingMode(TorchDispatchMode):
         results = pointwise.run_fused(calls, in_place, self._round_scalar)
         if in_place:
             for e in elements:
-                self._widened.forget(e.a)
+                self._forget(e.a)
             return (None if foreach else args[0],)
         return (results if foreach else results[0],)
 
@@ -723,7 +732,7 @@ class RoundingMode(TorchDispatchMode):
             plan.name, total, (parts(call, out) for call, out in zip(calls, outs, strict=True)))
         if plan.in_place:
             for t in leads:
-                self._widened.forget(t)
+                self._forget(t)
             return (None if foreach else args[0],)
         return (outs if foreach else outs[0],)
 
@@ -886,7 +895,7 @@ class RoundingMode(TorchDispatchMode):
             rounded = [r.to(self.policy.compute) for r in rounded]
         for (orig, _), r in zip(writes, rounded[first_write:], strict=True):
             orig.copy_(r)
-            self._widened.forget(orig)
+            self._forget(orig)
         results = [rounded[v] if kind == "y" else v for kind, v in slots]
         if spec is not None:
             return tree_unflatten(results, spec)

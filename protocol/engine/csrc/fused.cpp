@@ -844,12 +844,17 @@ OVT_CLONES double square_sum(const T* __restrict__ x, int64_t n) {
                   });
 }
 
+// A norm along a dimension not adjacent in memory sums its squares in runs of this many terms,
+// each run's sum in order, the runs' sums added in order: one order whatever the thread count,
+// which `norms` and `matrix_norms` (whose runs of rows go to threads of their own) both keep.
+constexpr int64_t kColumnRun = 64;
+
 // out[a, c] = sqrt(sum over k of x[a, k, c]^2), x read through the strides (sa, sk, sc) from xp,
 // in float64. Where k steps by one (a row in memory: a linear layer's inputs, its weights'
 // rows) each norm is one `square_sum`, in its lane order, parallel over the rows (1.1-1.4x
 // `vector_norm`'s speed on float64 rows on the development machine), a run longer than kGrain
-// block by block; else in k order, adjacent columns together, parallel over blocks of c within
-// each a.
+// block by block; else in k order by runs (`kColumnRun`), adjacent columns together, parallel over
+// blocks of c within each a.
 template <typename T>
 void norms_run(const T* xp, double* out, int64_t outer, int64_t reduced, int64_t inner,
                int64_t sa, int64_t sk, int64_t sc) {
@@ -887,28 +892,34 @@ void norms_run(const T* xp, double* out, int64_t outer, int64_t reduced, int64_t
     }
     return;
   }
-  const int64_t width = std::min<int64_t>(std::max<int64_t>(inner, 1), 256);
+  constexpr int64_t kColumns = 256;  // adjacent columns together
+  const int64_t width = std::min<int64_t>(std::max<int64_t>(inner, 1), kColumns);
   const int64_t blocks = (inner + width - 1) / width;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(reduced * width, 1));
   at::parallel_for(0, outer * blocks, grain, [&](int64_t first, int64_t last) {
+    double part[kColumns];
     for (int64_t item = first; item < last; ++item) {
       const int64_t a = item / blocks, c0 = (item % blocks) * width;
-      const int64_t c1 = std::min(inner, c0 + width);
-      double* acc = out + a * inner;
-      for (int64_t c = c0; c < c1; ++c) acc[c] = 0.0;
-      const T* base = xp + a * sa;
-      for (int64_t k = 0; k < reduced; ++k) {
-        const T* row = base + k * sk;
-        if (sc == 1) {
-          add_squares(row + c0, acc + c0, c1 - c0);
-        } else {
-          for (int64_t c = c0; c < c1; ++c) {
-            const double v = row[c * sc];
-            acc[c] += v * v;
+      const int64_t n = std::min(inner, c0 + width) - c0;
+      double* acc = out + a * inner + c0;
+      for (int64_t c = 0; c < n; ++c) acc[c] = 0.0;
+      const T* base = xp + a * sa + c0 * sc;
+      for (int64_t k0 = 0; k0 < reduced; k0 += kColumnRun) {  // (`kColumnRun`'s order)
+        for (int64_t c = 0; c < n; ++c) part[c] = 0.0;
+        for (int64_t k = k0; k < std::min(reduced, k0 + kColumnRun); ++k) {
+          const T* row = base + k * sk;
+          if (sc == 1) {
+            add_squares(row, part, n);
+          } else {
+            for (int64_t c = 0; c < n; ++c) {
+              const double v = row[c * sc];
+              part[c] += v * v;
+            }
           }
         }
+        for (int64_t c = 0; c < n; ++c) acc[c] += part[c];
       }
-      for (int64_t c = c0; c < c1; ++c) acc[c] = std::sqrt(acc[c]);
+      for (int64_t c = 0; c < n; ++c) acc[c] = std::sqrt(acc[c]);
     }
   });
 }
@@ -933,6 +944,65 @@ at::Tensor norms(const at::Tensor& x, int64_t outer, int64_t reduced, int64_t in
     norms_run(x.data_ptr<float>(), out.data_ptr<double>(), outer, reduced, inner, sa, sk, sc);
   }
   return out;
+}
+
+// Both norms of each matrix of x viewed as (batch, rows, cols), strides (sb, sr, 1): each
+// row's over its columns (`square_sum`, as `norms` along a dimension adjacent in memory) and
+// each column's over its rows (by runs of `kColumnRun` rows, as `norms` along any other
+// dimension), in one read of x (bounds.py `BoundContext.norms`): the same bits as the two
+// `norms` calls. The runs of rows in parallel, each run's column sums kept apart, then added
+// in order.
+template <typename T>
+void matrix_norms_run(const T* xp, double* row_out, double* col_out, int64_t batch,
+                      int64_t rows, int64_t cols, int64_t sb, int64_t sr) {
+  const int64_t runs = (rows + kColumnRun - 1) / kColumnRun;
+  std::vector<double> partial(static_cast<size_t>(batch * runs * cols));
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(kColumnRun * cols, 1));
+  at::parallel_for(0, batch * runs, grain, [&](int64_t first, int64_t last) {
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t b = unit / runs, r0 = (unit % runs) * kColumnRun;
+      double* part = partial.data() + unit * cols;
+      for (int64_t c = 0; c < cols; ++c) part[c] = 0.0;
+      for (int64_t r = r0; r < std::min(rows, r0 + kColumnRun); ++r) {
+        const T* row = xp + b * sb + r * sr;
+        row_out[b * rows + r] = std::sqrt(square_sum(row, cols));
+        add_squares(row, part, cols);
+      }
+    }
+  });
+  for (int64_t b = 0; b < batch; ++b) {
+    double* acc = col_out + b * cols;
+    for (int64_t c = 0; c < cols; ++c) acc[c] = 0.0;
+    for (int64_t run = 0; run < runs; ++run) {
+      const double* part = partial.data() + (b * runs + run) * cols;
+      for (int64_t c = 0; c < cols; ++c) acc[c] += part[c];
+    }
+    for (int64_t c = 0; c < cols; ++c) acc[c] = std::sqrt(acc[c]);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> matrix_norms(const at::Tensor& x, int64_t batch, int64_t rows,
+                                                int64_t cols, int64_t sb, int64_t sr) {
+  TORCH_CHECK((x.dtype() == at::kDouble || x.dtype() == at::kFloat) && x.device().is_cpu(),
+              "matrix_norms: x must be a float64 or float32 CPU tensor");
+  TORCH_CHECK(batch >= 0 && rows >= 0 && cols >= 0 && cols <= kGrain,
+              "matrix_norms: negative sizes, or rows longer than one run");
+  if (batch * rows * cols > 0) {
+    const int64_t last = (batch - 1) * sb + (rows - 1) * sr + (cols - 1);
+    TORCH_CHECK(sb >= 0 && sr >= 0 && x.storage_offset() + last <
+                    static_cast<int64_t>(x.storage().nbytes() / x.element_size()),
+                "matrix_norms: the view reaches outside x's storage");
+  }
+  at::Tensor row_out = at::empty({batch, rows}, x.options().dtype(at::kDouble));
+  at::Tensor col_out = at::empty({batch, cols}, x.options().dtype(at::kDouble));
+  if (x.dtype() == at::kDouble) {
+    matrix_norms_run(x.data_ptr<double>(), row_out.data_ptr<double>(), col_out.data_ptr<double>(),
+                     batch, rows, cols, sb, sr);
+  } else {
+    matrix_norms_run(x.data_ptr<float>(), row_out.data_ptr<double>(), col_out.data_ptr<double>(),
+                     batch, rows, cols, sb, sr);
+  }
+  return {row_out, col_out};
 }
 
 // Rows [o0, o1) of `sum_terms` with inner = 1: each row's smallest nonzero magnitude (as bits)
@@ -1799,6 +1869,7 @@ TORCH_LIBRARY(ovt, lib) {
       "-> ()");
   lib.def(
       "norms(Tensor x, int outer, int reduced, int inner, int sa, int sk, int sc) -> Tensor");
+  lib.def("matrix_norms(Tensor x, int batch, int rows, int cols, int sb, int sr) -> (Tensor, Tensor)");
   lib.def("channel_sums(Tensor t) -> (Tensor, Tensor, Tensor)");
   lib.def("softmax_backward_bound(Tensor g, Tensor y, float coefficient) -> Tensor");
   lib.def(
@@ -1838,6 +1909,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("sum_bound", &sum_bound);
   lib.impl("apply_entries", &apply_entries);
   lib.impl("norms", &norms);
+  lib.impl("matrix_norms", &matrix_norms);
   lib.impl("layer_norm_backward_bound", &layer_norm_backward_bound);
   lib.impl("channel_sums", &channel_sums);
   lib.impl("softmax_backward_bound", &softmax_backward_bound);

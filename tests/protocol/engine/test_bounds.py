@@ -1607,6 +1607,81 @@ WINDOWS = [  # (input spatial size, kernel, stride, padding, dilation)
 ]
 
 
+def _matrix_views():
+    """(name, view, dim): `_norm_views` and matrices of several runs of rows (`kColumnRun`,
+    64), not all full, batched and transposed, with rows not a multiple of the eight lanes."""
+    g = torch.Generator().manual_seed(13)
+    m = torch.randn(200, 67, generator=g, dtype=F64) * 1e3
+    m[::9, 5] = 0.0
+    batch = torch.randn(3, 130, 45, generator=g, dtype=F64)
+    line = torch.randn(400, generator=g, dtype=F64)
+    return _norm_views() + [
+        ("overlapping-rows", line.unfold(0, 67, 1), 0),  # strides (1, 1)
+        ("overlapping-batch", line.unfold(0, 67 * 3, 67).unfold(1, 67, 1), 1),
+        ("runs-rows", m, 1), ("runs-columns", m, 0), ("runs-transposed", m.t(), 1),
+        ("runs-transposed-columns", m.t(), 0), ("runs-batched", batch, 1),
+        ("runs-batched-rows", batch, 2), ("runs-batched-transposed", batch.transpose(1, 2), 2),
+        ("runs-batched-transposed-columns", batch.transpose(1, 2), 1),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_matrix_views())))
+def test_matrix_norms_are_the_norms_bit_for_bit(index):
+    """`BoundContext.norms`, both directions of a matrix from one read, gives the bits of
+    `_norms` along either dimension, asked in either order, on one thread or two (so a bound
+    does not depend on which of a matrix's two reads came first, or on the thread count)."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    name, x, dim = _matrix_views()[index]
+    other = (dim + 1) % x.dim() if x.dim() == 2 else 1 + (dim == 1)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for first, second in ((dim, other), (other, dim)):
+                ctx = BoundContext(PrecisionPolicy())
+                for d in (first, second) if x.dim() >= 2 and x.numel() else (dim,):
+                    got, want = ctx.norms(x, d), _norms(x, d)
+                    assert got.shape == want.shape, name
+                    assert torch.equal(got.view(torch.int64), want.view(torch.int64)), \
+                        (name, d, count)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_matrix_norms_follow_the_matrix():
+    """The norm kept for a matrix's other direction is dropped where the matrix changes: a
+    program's write (its version), a write the interceptor executes through an alias with a
+    counter of its own (`forget`, which `RoundingMode` calls for every write it executes), and
+    another tensor in the same memory."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(40, 30, generator=g, dtype=F64)
+    ctx = BoundContext(PrecisionPolicy())
+    ctx.norms(x, 1)
+    x.mul_(3.0)  # the program's write: the version moves
+    assert torch.equal(ctx.norms(x, 0), _norms(x, 0))
+    ctx.norms(x, 1)
+    x.data.add_(1.0)  # an alias's own counter: x's version stays
+    ctx.forget(x.data)
+    assert torch.equal(ctx.norms(x, 0), _norms(x, 0))
+    words = torch.randn(96, generator=g)  # float32 words, read as float64 too
+    as64 = words.view(F64).view(6, 8)
+    as32 = torch.empty(0).set_(words.untyped_storage(), 0, (6, 8), (8, 1))
+    ctx.norms(as64, 1)  # the same offset, sizes and strides in another dtype
+    assert torch.equal(ctx.norms(as32, 0).view(torch.int64), _norms(as32, 0).view(torch.int64))
+
+    a = torch.randn(8, 6, generator=g, dtype=F64)
+    b = torch.randn(6, 8, generator=g, dtype=F64)
+    mode = RoundingMode(PrecisionPolicy(), SiteRecorder(PrecisionPolicy()))
+    with mode:
+        torch.mm(a, b)  # a's row norms, its column norms kept
+        a.data.mul_(4.0)  # rounded and written back by the interceptor: no version moves
+        torch.mm(b, a)  # a along its rows now
+    assert torch.equal(mode._bounds.norms(a, 0), _norms(a, 0))
+
+
 @pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), WINDOWS)
 def test_window_norms_of_the_kernel_are_the_convolutions(size, kernel, stride, padding,
                                                          dilation, monkeypatch):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protocol.codec.roundinglog import RoundingLog, SiteLog
+from protocol.codec.roundinglog import RoundingLog, SiteLog, encode_log
 from protocol.engine import fused, normops
 from protocol.engine.bounds import Affine, dense_bound, rule_of
 from protocol.engine.decompositions import decomposition_of
@@ -1119,3 +1119,26 @@ def test_a_compiled_function_in_a_step_does_not_trace_the_interceptor():
     assert [s.numel for s in traced.sites] == [s.numel for s in eager.sites]
     assert not [w for w in caught if "Dynamo" in str(w.message)], \
         [str(w.message)[:120] for w in caught]
+
+
+def test_inference_mode_matmuls_are_rounded_as_outside_it():
+    """Inference tensors have no version counter, so the caches that check entries by one (the
+    widened copies, the matrix norms) pass them by: a chain of matmuls small and large (the
+    widening cache keeps tensors from 8 K elements) under `torch.inference_mode` rounds to the
+    same bits and logs the same entries as outside it."""
+    g = torch.Generator().manual_seed(23)
+    a, b = torch.randn(160, 96, generator=g), torch.randn(96, 120, generator=g)
+
+    def chain() -> tuple[torch.Tensor, SiteRecorder]:
+        recorder = SiteRecorder(POLICY)
+        with RoundingMode(POLICY, recorder):
+            x = a * 1.5
+            y = torch.mm(x, b)
+            z = torch.mm(y.t(), x)
+            return torch.mm(x[:8, :6], b[:6, :8]).sum() + z.sum(), recorder
+
+    plain, plain_log = chain()
+    with torch.inference_mode():
+        inferred, inferred_log = chain()
+    assert torch.equal(inferred.view(torch.int32), plain.view(torch.int32))
+    assert encode_log(inferred_log.log()) == encode_log(plain_log.log())
