@@ -336,6 +336,18 @@ _CONVERSIONS = {"_to_copy": 0, "to": 0, "copy_": 1, "copy": 1, "_foreach_copy_":
                 "slice_scatter": 1, "select_scatter": 1, "diagonal_scatter": 1,
                 "as_strided_scatter": 1}
 
+@lru_cache(maxsize=64)
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a cast from the floating dtype `source` into `target` may round: `source` holds
+    values `target` does not (more significand bits, or a wider exponent range: float64 or
+    float32 into float32 or bfloat16, and float16 into bfloat16, which torch's CPU casts
+    through float32, writing a NaN by code path, where a GPU writes its own NaN)."""
+    if source == target:
+        return False
+    wide, narrow = torch.finfo(source), torch.finfo(target)
+    return wide.eps < narrow.eps or wide.max > narrow.max or wide.smallest_normal < \
+        narrow.smallest_normal
+
 # Exact ops whose results' NaN bits or zero signs are the machine's (a cross-instruction-set
 # audit of every exact op, run natively and under ATEN_CPU_CAPABILITY=default, on 1 and 2
 # threads and in several layouts). The max/min family, in every floating dtype: the vectorised
@@ -936,8 +948,8 @@ class RoundingMode(TorchDispatchMode):
 
     def _narrowing(self, source: int, args, kwargs) -> list[int]:
         """Which of a conversion's sources (argument `source`, `_CONVERSIONS`) it casts into
-        the target dtype from a wider floating dtype: their indices in the foreach form's
-        list, else [0] or []."""
+        the target dtype from a floating dtype holding values the target does not (`_narrows`):
+        their indices in the foreach form's list, else [0] or []."""
         if len(args) <= source:
             return []
         if source == 0:  # _to_copy, to
@@ -953,7 +965,7 @@ class RoundingMode(TorchDispatchMode):
         target = self.policy.target
         return [i for i, (dtype, src) in enumerate(zip(into, sources, strict=True))
                 if dtype == target and isinstance(src, torch.Tensor) and src.is_floating_point()
-                and src.dtype.itemsize > target.itemsize]
+                and _narrows(src.dtype, target)]
 
     def _narrowing_copy(self, plan: _OpPlan, source: int, narrowing: list[int], args, kwargs):
         """A cast into the target dtype is a rounding like any other (SPEC §3.2): the sources

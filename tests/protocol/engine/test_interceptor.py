@@ -746,6 +746,30 @@ def test_every_to_into_the_target_is_a_site_with_one_nan(name):
     assert torch.equal(bits[~nan], src[~nan].to(torch.bfloat16).view(torch.int16))
 
 
+def test_a_float16_cast_into_bfloat16_is_a_site_with_one_nan():
+    """float16 holds values bfloat16 does not (three more significand bits): a cast between
+    them rounds, so it is a site like a cast from float32 (torch's CPU cast writes 0x7FC0 for
+    every NaN, a GPU its own 0x7FFF), every NaN the one bfloat16 NaN and every other value the
+    nearest-even rounding, as torch's. A cast from bfloat16 into float32 under the float32
+    policy is exact, and no site."""
+    from protocol.engine.bandpass import CANONICAL_NAN
+    src = torch.tensor([math.nan, 1.0 + 2.0**-9 + 2.0**-10, 65504.0, 6e-8, -0.0] * 16,
+                       dtype=torch.float16)
+    src.view(torch.int16)[1] = 0x7E01  # a NaN with a payload
+    spy = Spy(BF16)
+    with RoundingMode(BF16, spy):
+        out = src.to(torch.bfloat16)
+    assert spy.calls == [("aten._to_copy.default", src.numel(), False)]
+    bits, nan = out.view(torch.int16), src.isnan()
+    assert torch.equal(bits[nan], torch.full_like(bits[nan], CANONICAL_NAN[torch.bfloat16]))
+    assert torch.equal(bits[~nan], src[~nan].to(torch.bfloat16).view(torch.int16))
+    spy = Spy(POLICY)
+    with RoundingMode(POLICY, spy):
+        widened = out.to(torch.float32)
+    assert spy.calls == [] and torch.equal(widened.view(torch.int32)[~nan],
+                                           out[~nan].to(torch.float32).view(torch.int32))
+
+
 def test_a_decomposition_s_cast_into_bfloat16_writes_one_nan():
     """tanh's backward decomposes through torch._refs, whose type promotion calls `to`: the
     gradient of a NaN is the one bfloat16 NaN (torch's vectorised cast wrote 0xFFFF there,
