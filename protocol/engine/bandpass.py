@@ -145,7 +145,7 @@ def nearest(flat: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor | Non
             (out is None or out.is_contiguous()):
         r = out if out is not None else torch.empty(flat.numel(), dtype=policy.target,
                                                     device=flat.device)
-        torch.ops.ovt.nearest(flat, r)
+        torch.ops.ovt.nearest(flat, r, True)
         return r, True
     return to_target(flat, policy, out), False
 
@@ -169,13 +169,13 @@ def to_target(values: torch.Tensor, policy: PrecisionPolicy, out: torch.Tensor |
     a float32 NaN from the vectorised kernels (AVX2, AVX-512) and 0x7FC0 from the scalar one
     (a 0-d or strided tensor, or `ATEN_CPU_CAPABILITY=default`). States are compared by their
     hashes (SPEC §2), so honest parties on two machines or layouts would otherwise differ in a
-    NaN's bits. One C++ pass on the CPU where the fused passes serve a contiguous `values`
-    (`torch.ops.ovt.narrow_into`, csrc/band.h `narrow`), else torch's cast and
-    `canonical_nans`."""
-    if values.is_cpu and values.is_contiguous() and _fused_serves(values, policy) and \
-            (out is None or (out.is_contiguous() and out.shape == values.shape)):
-        r = out if out is not None else torch.empty(values.shape, dtype=policy.target)
-        torch.ops.ovt.narrow_into(values.view(-1), r.view(-1))
+    NaN's bits. One pass where the fused passes serve a contiguous `values` (`nearest`'s,
+    without its write-back: csrc/band.h `narrow`), else torch's cast and `canonical_nans`."""
+    if values.is_contiguous() and _fused_serves(values, policy) and (out is None or (
+            out.is_contiguous() and out.shape == values.shape and out.device == values.device)):
+        r = out if out is not None else torch.empty(values.shape, dtype=policy.target,
+                                                    device=values.device)
+        torch.ops.ovt.nearest(values.view(-1), r.view(-1), False)
         return r
     r = values.to(policy.target) if out is None else out.copy_(values)
     canonical_nans(r)

@@ -324,7 +324,7 @@ def _matrix_view(shape: Sequence[int], strides: Sequence[int], dim: int
         row_dim, col_dim = first + 1, first
     else:
         return None
-    if shape[col_dim] > _MATRIX_ROW_MAX or strides[row_dim] < 0 or strides[row_dim] == 1:
+    if shape[col_dim] > _MATRIX_ROW_MAX or strides[row_dim] == 1:
         return None  # (rows one element apart, an overlapping view: `norms` sums them in lanes)
     batch, batch_stride = (shape[0], strides[0]) if nd == 3 else (1, 0)
     kept = tuple(n for d, n in enumerate(shape) if d != dim)

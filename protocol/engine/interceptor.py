@@ -336,6 +336,7 @@ _CONVERSIONS = {"_to_copy": 0, "to": 0, "copy_": 1, "copy": 1, "_foreach_copy_":
                 "slice_scatter": 1, "select_scatter": 1, "diagonal_scatter": 1,
                 "as_strided_scatter": 1}
 
+
 @lru_cache(maxsize=64)
 def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
     """Whether a cast from the floating dtype `source` into `target` may round: `source` holds
@@ -347,6 +348,7 @@ def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
     wide, narrow = torch.finfo(source), torch.finfo(target)
     return wide.eps < narrow.eps or wide.max > narrow.max or wide.smallest_normal < \
         narrow.smallest_normal
+
 
 # Exact ops whose results' NaN bits or zero signs are the machine's (a cross-instruction-set
 # audit of every exact op, run natively and under ATEN_CPU_CAPABILITY=default, on 1 and 2

@@ -9,8 +9,8 @@
 //   `precision.band_candidates` on `Affine.dense` does it, operation for operation; and, asked
 //   to (`widen_back`), the site's values overwritten with their roundings widened, so that
 //   they serve as the compute-dtype copy of the result (interceptor.py `WidenCache.note`);
-// - nearest, a cast and that write-back, for a result whose bounds are not read; narrow_into,
-//   the cast alone (bandpass.py `to_target`);
+// - nearest, a cast and, asked to, that write-back, for a result whose bounds are not read (the
+//   cast alone: bandpass.py `to_target`);
 // - decide, the recorder's decision on its band candidates (rounding.py `SiteRecorder._decide`):
 //   which are entries, and of which kind, with the same tests as its torch ops;
 // - apply_entries, the replayer's logged entries of one result (rounding.py `SiteReplayer`):
@@ -624,21 +624,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
   return {candidates, bounds, values, widen};
 }
 
-// y rounded to nearest-even into r (a cast, as `to` does, every NaN the one NaN), y as it was:
-// `bandpass.to_target` in one pass, where the cast and the NaNs' check took three ops.
-void narrow_into(const at::Tensor& y, const at::Tensor& r) {
-  const int64_t n = site_length(y, r, "narrow_into");
-  const double* yp = y.data_ptr<double>();
-  float* rp = r.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    narrow_range(yp, rp, begin, end);
-  });
-}
-
-// y rounded to nearest-even into r (a cast, as `to` does) and y overwritten with r widened,
-// chunk by chunk while it is in the cache: the band pass's `widen_back` for a result with
-// e = 0, or whose bounds are not read (a replayed site without entries).
-void nearest(const at::Tensor& y, const at::Tensor& r) {
+// y rounded to nearest-even into r (a cast, as `to` does, every NaN the one NaN) and, with
+// `widen`, y overwritten with r widened, chunk by chunk while it is in the cache: the band
+// pass's `widen_back` for a result with e = 0, or whose bounds are not read (a replayed site
+// without entries); without it `bandpass.to_target` in one pass.
+void nearest(const at::Tensor& y, const at::Tensor& r, bool widen) {
   const int64_t n = site_length(y, r, "nearest");
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
@@ -646,7 +636,7 @@ void nearest(const at::Tensor& y, const at::Tensor& r) {
     for (int64_t b = begin; b < end; b += kGrain) {
       const int64_t e = std::min(end, b + kGrain);
       narrow_range(yp, rp, b, e);
-      widen_range(yp, rp, b, e);
+      if (widen) widen_range(yp, rp, b, e);
     }
   });
 }
@@ -750,7 +740,7 @@ bool apply_entries(const at::Tensor& y, const at::Tensor& r, int64_t offset,
                        values, overflow, wide, roundings)) {
     return false;
   }
-  if (widen_back) nearest(y, r);
+  if (widen_back) nearest(y, r, true);
   for (const auto& [i, v] : roundings) {
     rp[i] = v;
     if (widen_back) yp[i] = static_cast<double>(v);
@@ -1846,8 +1836,7 @@ TORCH_LIBRARY(ovt, lib) {
       "round_band(Tensor(b!) y, Tensor(a!) r, int mode, Tensor? m, Tensor? col, Tensor? add, "
       "int inner, int rows, float scale, float floor, float weight, bool widen_back) "
       "-> (Tensor, Tensor, Tensor, bool)");
-  lib.def("nearest(Tensor(b!) y, Tensor(a!) r) -> ()");
-  lib.def("narrow_into(Tensor y, Tensor(a!) r) -> ()");
+  lib.def("nearest(Tensor(b!) y, Tensor(a!) r, bool widen) -> ()");
   lib.def("decide(Tensor y, Tensor e, float overflow, float wide) -> Tensor");
   lib.def(
       "sum_bound(Tensor x, int a, int b, int c, bool keep_middle, float scale, "
@@ -1901,7 +1890,6 @@ TORCH_LIBRARY(ovt, lib) {
 TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("round_band", &round_band);
   lib.impl("nearest", &nearest);
-  lib.impl("narrow_into", &narrow_into);
   lib.impl("decide", &decide);
   lib.impl("pointwise", &pointwise);
   lib.impl("small_quotients", &small_quotients);

@@ -179,13 +179,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band_cuda(
 }
 
 // fused.cpp `nearest`, on the device.
-void nearest_cuda(const at::Tensor& y, const at::Tensor& r) {
+void nearest_cuda(const at::Tensor& y, const at::Tensor& r, bool widen) {
   check_device(y, "nearest");
   const int64_t n = site_length(y, r, "nearest");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(y.device());
   nearest_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      y.data_ptr<double>(), r.data_ptr<float>(), n, true);
+      y.data_ptr<double>(), r.data_ptr<float>(), n, widen);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -246,7 +246,7 @@ bool apply_entries_cuda(const at::Tensor& y, const at::Tensor& r, int64_t offset
                                    cudaMemcpyDeviceToHost, stream));
     C10_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (flag != 0) return false;
-    if (widen_back && n > 0) nearest_cuda(y, r);
+    if (widen_back && n > 0) nearest_cuda(y, r, true);
     double* written = widen_back ? yp : nullptr;
     for (const auto [first, last] : {std::pair<int64_t, int64_t>{0, directions},
                                      std::pair<int64_t, int64_t>{directions, count}}) {
@@ -257,7 +257,7 @@ bool apply_entries_cuda(const at::Tensor& y, const at::Tensor& r, int64_t offset
     }
     return true;
   }
-  if (widen_back && n > 0) nearest_cuda(y, r);
+  if (widen_back && n > 0) nearest_cuda(y, r, true);
   return true;
 }
 
