@@ -150,18 +150,23 @@ OVT_ELEMENT double bound_at(const Spec& s, const double* y, int64_t i) {
   return e == -as_double(kInfBits) ? -DBL_MAX : e;  // (torch.nan_to_num's other replacement)
 }
 
+// 2**52 times the distance of y (of float64 bit pattern `bits`) from the midpoint of its float32
+// ULP, exact where y is of float32's normal range: y's position inside that ULP in compute ULPs,
+// the low 29 bits as a number (exact: (2**52 + low) - 2**52), less half the ULP, times 2**E of
+// y's binade (0 below float64's normals).
+OVT_ELEMENT double midpoint_distance(int64_t bits) {
+  const double low = as_double(kTwo52Bits | (bits & kLowMask)) - 0x1p52;
+  const double power = as_double(bits & kExpMask);
+  return magnitude(low - static_cast<double>(kHalf)) * power;
+}
+
 // Whether y may lie within 2e of a rounding boundary, given e54 = e·2**54: precision.py
 // `band_candidates`, the same decisions (below). Branch-free, so that the loops calling it
 // vectorise; its comparisons are negated so that a NaN bound (which certifies nothing) lands in
 // the band; a NaN or infinite y never does (no rounding choice).
 OVT_ELEMENT int64_t in_band(double y, double e54) {
   const int64_t bits = bits_of(y);
-  // y's position inside its float32 ULP in compute ULPs, the low 29 bits as a number (exact:
-  // (2**52 + low) - 2**52), and 2**E of y's binade (0 below normals): `far` is 2**52 times
-  // the distance from the ULP's midpoint
-  const double low = as_double(kTwo52Bits | (bits & kLowMask)) - 0x1p52;
-  const double power = as_double(bits & kExpMask);
-  const double far = magnitude(low - static_cast<double>(kHalf)) * power;
+  const double far = midpoint_distance(bits);
   const int64_t size = bits & kAbsMask;
   // below float32's smallest normal the ULP differs: a candidate, except a zero under e < 2^-151
   const int64_t small = size < kMinNormalBits;
@@ -171,6 +176,20 @@ OVT_ELEMENT int64_t in_band(double y, double e54) {
       static_cast<int64_t>(!(far > e54)) & static_cast<int64_t>(size < kExpMask);
   // e = 0: a correctly rounded result, never in the band
   return static_cast<int64_t>(!(e54 <= 0)) & ((small & small_keep) | ((1 - small) & normal_keep));
+}
+
+// A cheaper test that `in_band` implies (so a false here is a false there, for the same y and
+// e54): y is not a finite value of float32's normal range (in_band then decides by cases: a
+// zero, a value below that range, an infinity or a NaN), or `far` <= e54. The CPU band pass
+// runs it over each block first and `in_band` only over the blocks where it holds somewhere,
+// with about half the instructions an element (fused.cpp `scan_range`).
+OVT_ELEMENT int64_t may_be_in_band(double y, double e54) {
+  const int64_t bits = bits_of(y);
+  // size - kMinNormalBits, unsigned, is below kExpMask - kMinNormalBits exactly for a size in
+  // [kMinNormalBits, kExpMask): one compare for both ends of the range
+  const uint64_t above_normal = static_cast<uint64_t>((bits & kAbsMask) - kMinNormalBits);
+  return static_cast<int64_t>(above_normal >= static_cast<uint64_t>(kExpMask - kMinNormalBits)) |
+         static_cast<int64_t>(!(midpoint_distance(bits) > e54));
 }
 
 // e·2**54 for e = t + floor, t = scale·base (two roundings, as in torch), given

@@ -70,20 +70,30 @@ using namespace ovt;
 constexpr int64_t kGrain = 1 << 15;
 
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
-// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes r and each
-// element's band test into `flags`, and tells whether any element of the block is in the band;
-// only such a block is read again, its flags (not its elements: the matmul family's
-// Cauchy–Schwarz bounds put a candidate in a good share of blocks, and testing each element
-// again, branch by branch, cost more than the vectorised pass) for its indices.
+// `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes each
+// element's cast (a NaN's bits as the conversion leaves them) and tells whether any element of
+// the block may be in the band (`may_be_in_band`: about a block in ten of a matmul's, whose
+// Cauchy–Schwarz bounds are the widest; 1.4x faster than `in_band` on every block). Only such a
+// block is read again: a vectorised pass writes r as every rounding does (`narrow`) and each
+// element's band test into `flags`, and tells whether any is in the band; then its flags (not
+// its elements: testing each element again, branch by branch, cost more than the vectorised
+// pass) give its indices.
 template <typename Base>
 __attribute__((always_inline)) inline void scan_range(const double* y, float* r, int64_t begin,
                                                       int64_t end, double scale, double floor,
                                                       Base base, std::vector<int64_t>& out) {
-  constexpr int64_t kBlock = 256;
+  constexpr int64_t kBlock = 128;
   const double floor54 = floor * kBandScale;
   int64_t flags[kBlock];
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
+    int64_t maybe = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      const double v = y[b + k];
+      r[b + k] = static_cast<float>(v);
+      maybe |= may_be_in_band(v, scaled_bound(scale * base(b + k, v), floor54));
+    }
+    if (!maybe) continue;  // (a NaN makes `maybe`: its r is written again below)
     int64_t any = 0;
     for (int64_t k = 0; k < n; ++k) {
       const double v = y[b + k];

@@ -238,6 +238,60 @@ def test_the_sites_reach_every_branch(monkeypatch):
     assert cand.tolist() == list(range(0, 999, 2))  # the limit is in, one step below is out
 
 
+def quiet_values(rng: np.random.Generator, n: int) -> torch.Tensor:
+    """n float64 values a quarter of a float32 ULP or more from every rounding boundary (far
+    out of a tight band), each special of `hard_values` alone among them every 131 elements
+    (so most of the fused pass's blocks hold nothing in the band, and a block holding one
+    holds nothing else), and NaNs of other bits than the default one: negative, with a
+    payload, signalling."""
+    base = torch.from_numpy(rng.uniform(1.0, 2.0, size=n) * 10.0 ** rng.integers(-3, 4, size=n))
+    r = base.to(torch.float32).to(F64)
+    offset = torch.from_numpy(rng.uniform(-0.25, 0.25, size=n)) * target_ulp(
+        r.to(torch.float32), POLICY)
+    y = r + offset
+    nans = torch.tensor([-0x0008_0000_0000_0000, 0x7FF0_0000_0000_0001, 0x7FF8_0000_0000_BEEF,
+                         -0x0000_0000_0000_0001], dtype=torch.int64).view(F64)
+    specials = torch.cat([torch.tensor([0.0, -0.0, 2.0**-149, -3 * 2.0**-149, 2.0**-150,
+                                        2.0**-1074, 2.0**-1030, 2.0**-127, float("inf"),
+                                        -float("inf"), 3.5e38, -1e300], dtype=F64), nans])
+    where = torch.arange(70, n, 131)[:specials.numel()]
+    y[where] = specials[:where.numel()]
+    return y
+
+
+@needs_fused
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lone_specials_in_quiet_blocks_are_found(seed, monkeypatch):
+    """The fused pass tests each block cheaply first (csrc `may_be_in_band`) and reads only
+    the blocks that may hold a candidate again: a zero, a value below float32's normals, an
+    infinity or a NaN alone in an otherwise quiet block must still be decided as the torch ops
+    decide it (a small value with e > 0 a candidate, a zero by its bound), and a NaN of any
+    bits rounded to the one float32 NaN. Every bound form, tight enough that only the
+    specials are candidates."""
+    rng = np.random.default_rng(seed)
+    n = 128 * 19
+    y = quiet_values(rng, n)
+    m = y.reshape(38, 64)
+    norms = lambda *s: torch.from_numpy(rng.uniform(0.5, 2.0, size=s))  # noqa: E731
+    for name, values, bound in [
+            ("relative", y, Affine(2.0**-60, 2.0**-1073)),
+            ("plus", y, Affine(2.0**-60, 0.0, other=quiet_values(rng, n), weight=0.5)),
+            ("rows", m, Affine(2.0**-200, 2.0**-1070, norms(38, 1))),
+            ("rows plus |y|", m, Affine(2.0**-60, 0.0, norms(38, 1), weight=2.0)),
+            ("outer", m, Affine(2.0**-200, 2.0**-1070, norms(38), norms(64))),
+            ("outer, bias", m, Affine(2.0**-200, 0.0, norms(38), norms(64), norms(64)))]:
+        (r, cand, e), (r2, cand2, e2) = both_passes(values, bound, monkeypatch)
+        assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
+        assert torch.equal(cand, cand2), name
+        assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+        flat = values.reshape(-1)
+        small = (flat.abs() < 2.0**-126) & (flat != 0) & (dense_bounds([values], [bound]) > 0)
+        assert small.sum() >= 4 and set(small.nonzero().squeeze(1).tolist()) <= \
+            set(cand.tolist()), name
+        nan = torch.isnan(values.reshape(-1))
+        assert nan.sum() == 4 and (r.view(torch.int32)[nan] == 0x7FC0_0000).all(), name
+
+
 @needs_fused
 def test_the_fused_pass_finds_every_element_in_the_band(monkeypatch):
     """Soundness, not just agreement: every element with exact δ <= 2e is a candidate."""
