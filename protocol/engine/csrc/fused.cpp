@@ -587,6 +587,22 @@ void widen_range(double* y, const float* r, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) y[i] = static_cast<double>(r[i]);
 }
 
+// The chunks of a band pass over n elements: at most kGrain elements each and as many for every
+// intra-op thread (`at::parallel_for` gives each thread a run of consecutive chunks: 81,920
+// elements in chunks of kGrain gave one thread two and the other one, and took as long as
+// 131,072), but none below kMinChunk elements, whose scheduling would cost more than it saves.
+// The pass's results do not depend on the chunks (each element's rounding and band test are its
+// own, the candidates are gathered in chunk order).
+constexpr int64_t kMinChunk = 1 << 13;
+
+int64_t band_chunks(int64_t n) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t most = std::max<int64_t>(1, n / kMinChunk);
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  const int64_t even = (chunks + threads - 1) / threads * threads;
+  return std::max<int64_t>(1, std::min(even, most));
+}
+
 // With `widen_back`, y is overwritten, chunk by chunk once the chunk's candidates are taken,
 // with r widened, unless a bound factor lies in y's memory (then y is left as it is); the last
 // result says whether it was.
@@ -600,7 +616,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
   double* yp = y.data_ptr<double>();
   float* rp = r.data_ptr<float>();
   const bool widen = widen_back && may_widen(yp, n, s, m, col, add);
-  const int64_t chunks = std::max<int64_t>(1, (n + kGrain - 1) / kGrain);
+  const int64_t chunks = band_chunks(n);
+  const int64_t size = (n + chunks - 1) / chunks;
   // per chunk: its candidates, then their bounds and values (read before y is widened back)
   std::vector<std::vector<int64_t>> found(static_cast<size_t>(chunks));
   std::vector<std::vector<double>> found_bounds(static_cast<size_t>(chunks));
@@ -608,7 +625,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool> round_band(
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t c = first; c < last; ++c) {
       const auto k = static_cast<size_t>(c);
-      const int64_t begin = c * kGrain, end = std::min(n, (c + 1) * kGrain);
+      const int64_t begin = std::min(n, c * size), end = std::min(n, begin + size);
       scan(s, yp, rp, begin, end, found[k]);
       for (const int64_t i : found[k]) {
         found_bounds[k].push_back(bound_at(s, yp, i));
