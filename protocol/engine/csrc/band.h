@@ -179,8 +179,8 @@ OVT_ELEMENT int64_t in_band(double y, double e54) {
 }
 
 // A cheaper test that `in_band` implies (so a false here is a false there, for the same y and
-// e54): y is not a finite value of float32's normal range (in_band then decides by cases: a
-// zero, a value below that range, an infinity or a NaN), or `far` <= e54. The CPU band pass
+// e54): y is zero, below float32's smallest normal, infinite or a NaN (in_band then decides by
+// cases), or `far` <= e54 (every other y, above float32's largest value too). The CPU band pass
 // runs it over each block first and `in_band` only over the blocks where it holds somewhere,
 // with about half the instructions an element (fused.cpp `scan_range`).
 OVT_ELEMENT int64_t may_be_in_band(double y, double e54) {

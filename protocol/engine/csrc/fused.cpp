@@ -587,10 +587,11 @@ void widen_range(double* y, const float* r, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) y[i] = static_cast<double>(r[i]);
 }
 
-// The chunks of a band pass over n elements: at most kGrain elements each and as many for every
-// intra-op thread (`at::parallel_for` gives each thread a run of consecutive chunks: 81,920
-// elements in chunks of kGrain gave one thread two and the other one, and took as long as
-// 131,072), but none below kMinChunk elements, whose scheduling would cost more than it saves.
+// How many equal chunks a band pass over n elements takes: a multiple of the intra-op thread
+// count of at most kGrain elements each (`at::parallel_for` gives each thread a run of
+// consecutive chunks: 81,920 elements in chunks of kGrain gave one thread two and the other one,
+// and took as long as 131,072), but no more than n / kMinChunk (one for fewer than 2·kMinChunk
+// elements): a chunk of fewer elements would cost more to schedule than it saves.
 // The pass's results do not depend on the chunks (each element's rounding and band test are its
 // own, the candidates are gathered in chunk order).
 constexpr int64_t kMinChunk = 1 << 13;

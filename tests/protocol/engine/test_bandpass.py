@@ -673,8 +673,8 @@ def test_replayed_entries_of_a_site_of_several_results(monkeypatch):
 @needs_fused
 @pytest.mark.parametrize("threads", [1, 2])
 def test_sites_of_many_chunks_give_the_torch_bits_on_any_thread_count(threads, monkeypatch):
-    """Sites larger than the fused passes' unit of parallel work (32 Ki elements), so that the
-    chunks run on torch's threads: the band pass in relative, row and outer modes and the
+    """Sites larger than the fused passes' unit of parallel work (8 to 32 Ki elements), so that
+    the chunks run on torch's threads: the band pass in relative, row and outer modes and the
     exact-sum rule over rows, columns and all but a run give the torch ops' bits, candidates
     in order, on 1 and 2 threads."""
     from protocol.engine.bounds import BoundContext, _sum
