@@ -259,37 +259,58 @@ def quiet_values(rng: np.random.Generator, n: int) -> torch.Tensor:
     return y
 
 
+def at_zeros(y: torch.Tensor, e: float) -> torch.Tensor:
+    """Per-element bounds for `y`: e at its zeros, 2^-300 elsewhere (float64)."""
+    return torch.where(y == 0, torch.full_like(y, e), torch.full_like(y, 2.0**-300))
+
+
 @needs_fused
 @pytest.mark.parametrize("seed", [0, 1])
 def test_lone_specials_in_quiet_blocks_are_found(seed, monkeypatch):
     """The fused pass tests each block cheaply first (csrc `may_be_in_band`) and reads only
     the blocks that may hold a candidate again: a zero, a value below float32's normals, an
     infinity or a NaN alone in an otherwise quiet block must still be decided as the torch ops
-    decide it (a small value with e > 0 a candidate, a zero by its bound), and a NaN of any
-    bits rounded to the one float32 NaN. Every bound form, tight enough that only the
-    specials are candidates."""
+    decide it (a small value with e > 0 a candidate, a zero from e = 2^-151: the cheap test
+    takes a zero's distance as 2^-152, tested at and just below 2^-151), and a NaN of any
+    bits rounded to the one float32 NaN. Every bound form, tight enough that only specials
+    are candidates."""
     rng = np.random.default_rng(seed)
     n = 128 * 19
     y = quiet_values(rng, n)
     m = y.reshape(38, 64)
     norms = lambda *s: torch.from_numpy(rng.uniform(0.5, 2.0, size=s))  # noqa: E731
+    zeros_kept = {}
     for name, values, bound in [
             ("relative", y, Affine(2.0**-60, 2.0**-1073)),
             ("plus", y, Affine(2.0**-60, 0.0, other=quiet_values(rng, n), weight=0.5)),
             ("rows", m, Affine(2.0**-200, 2.0**-1070, norms(38, 1))),
             ("rows plus |y|", m, Affine(2.0**-60, 0.0, norms(38, 1), weight=2.0)),
             ("outer", m, Affine(2.0**-200, 2.0**-1070, norms(38), norms(64))),
-            ("outer, bias", m, Affine(2.0**-200, 0.0, norms(38), norms(64), norms(64)))]:
+            ("outer, bias", m, Affine(2.0**-200, 0.0, norms(38), norms(64), norms(64))),
+            # a zero is in the band from e = 2^-151 (`zero_band`): at it, and one step below
+            ("zeros at the zero band", y, Affine(1.0, 0.0, at_zeros(y, 2.0**-151))),
+            ("zeros below the zero band", y,
+             Affine(1.0, 0.0, at_zeros(y, math.nextafter(2.0**-151, 0.0))))]:
         (r, cand, e), (r2, cand2, e2) = both_passes(values, bound, monkeypatch)
         assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
         assert torch.equal(cand, cand2), name
-        assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
-        flat = values.reshape(-1)
-        small = (flat.abs() < 2.0**-126) & (flat != 0) & (dense_bounds([values], [bound]) > 0)
+        assert (e is None) == (e2 is None), name
+        if e is not None:
+            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+        flat, dense = values.reshape(-1), dense_bounds([values], [bound])
+        small = (flat.abs() < 2.0**-126) & (flat != 0) & (dense > 0)
         assert small.sum() >= 4 and set(small.nonzero().squeeze(1).tolist()) <= \
             set(cand.tolist()), name
-        nan = torch.isnan(values.reshape(-1))
+        zeros = flat == 0
+        kept = zeros & ~(dense < 2.0**-151)  # (a NaN bound keeps one too)
+        assert zeros.sum() == 2 and set((zeros & torch.isin(torch.arange(n), cand))
+                                        .nonzero().squeeze(1).tolist()) == \
+            set(kept.nonzero().squeeze(1).tolist()), name
+        zeros_kept[name] = int(kept.sum())
+        nan = torch.isnan(flat)
         assert nan.sum() == 4 and (r.view(torch.int32)[nan] == 0x7FC0_0000).all(), name
+    assert zeros_kept["zeros at the zero band"] == 2
+    assert zeros_kept["zeros below the zero band"] == 0
 
 
 @needs_fused
