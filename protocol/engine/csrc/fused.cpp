@@ -72,8 +72,10 @@ constexpr int64_t kGrain = 1 << 15;
 // Rounds y[begin:end) into r and appends the band candidates among them to `out`, where
 // `base(i, y_i)` gives element i's base. Block by block: a vectorised pass writes each
 // element's cast (a NaN's bits as the conversion leaves them) and tells whether any element of
-// the block may be in the band (`may_be_in_band`: about a block in ten of a matmul's, whose
-// Cauchy–Schwarz bounds are the widest; 1.4x faster than `in_band` on every block). Only such a
+// the block may be in the band (`may_be_in_band`, about 1.4x faster than `in_band` on every
+// block: on a value of float32's normal range it is the band test itself, so a block passes it
+// where it holds a candidate, a small value, a NaN or a zero under a wide bound — a few in a
+// hundred of a matmul's, whose Cauchy–Schwarz bounds are the widest). Only such a
 // block is read again: a vectorised pass writes r as every rounding does (`narrow`) and each
 // element's band test into `flags`, and tells whether any is in the band; then its flags (not
 // its elements: testing each element again, branch by branch, cost more than the vectorised
