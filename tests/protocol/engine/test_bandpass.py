@@ -130,16 +130,23 @@ def both_passes(y, bound, monkeypatch):
     return out["fused"], out["torch"]
 
 
+def fused_as_torch(y, bound, monkeypatch, name=""):
+    """`both_passes`, asserting that the fused pass gave the torch ops' rounded bits,
+    candidates and bounds at them; the fused pass's (r, candidates, bounds)."""
+    (r, cand, e), (r2, cand2, e2) = both_passes(y, bound, monkeypatch)
+    assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
+    assert torch.equal(cand, cand2), name
+    assert (e is None) == (e2 is None), name
+    if e is not None:
+        assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+    return r, cand, e
+
+
 @needs_fused
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_fused_pass_gives_the_bits_of_the_torch_ops(seed, monkeypatch):
     for name, y, bound in sites(seed):
-        (r, cand, e), (r2, cand2, e2) = both_passes(y, bound, monkeypatch)
-        assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
-        assert torch.equal(cand, cand2), name
-        assert (e is None) == (e2 is None), name
-        if e is not None:
-            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+        fused_as_torch(y, bound, monkeypatch, name)
 
 
 def assert_same_pass(got, expected, name):
@@ -291,12 +298,7 @@ def test_lone_specials_in_quiet_blocks_are_found(seed, monkeypatch):
             ("zeros at the zero band", y, Affine(1.0, 0.0, at_zeros(y, 2.0**-151))),
             ("zeros below the zero band", y,
              Affine(1.0, 0.0, at_zeros(y, math.nextafter(2.0**-151, 0.0))))]:
-        (r, cand, e), (r2, cand2, e2) = both_passes(values, bound, monkeypatch)
-        assert torch.equal(r.view(torch.int32), r2.view(torch.int32)), name
-        assert torch.equal(cand, cand2), name
-        assert (e is None) == (e2 is None), name
-        if e is not None:
-            assert torch.equal(e.view(torch.int64), e2.view(torch.int64)), name
+        r, cand, _ = fused_as_torch(values, bound, monkeypatch, name)
         flat, dense = values.reshape(-1), dense_bounds([values], [bound])
         small = (flat.abs() < 2.0**-126) & (flat != 0) & (dense > 0)
         assert small.sum() >= 4 and set(small.nonzero().squeeze(1).tolist()) <= \
@@ -707,11 +709,8 @@ def test_sites_of_many_chunks_give_the_torch_bits_on_any_thread_count(threads, m
         norms = lambda *s: torch.from_numpy(rng.uniform(0, 4, size=s))  # noqa: E731
         for bound in (Affine(2.0**-44, 1e-320), Affine(1e-14, 0.0, norms(300, 1)),
                       Affine(2.0**-40, 1e-322, norms(300), norms(700), norms(700))):
-            (r, cand, e), (r2, cand2, e2) = both_passes(y, bound, monkeypatch)
+            _, cand, _ = fused_as_torch(y, bound, monkeypatch)
             assert cand.numel() > 100
-            assert torch.equal(r.view(torch.int32), r2.view(torch.int32))
-            assert torch.equal(cand, cand2)
-            assert torch.equal(e.view(torch.int64), e2.view(torch.int64))
         ctx = BoundContext(POLICY)
         x = torch.from_numpy(np.ldexp(rng.integers(-64, 65, size=(40, 30, 90)).astype(float),
                                       rng.integers(-30, -20, size=(40, 30, 90))))
