@@ -166,6 +166,8 @@ class BoundContext:
         self.smallest_normal = float(torch.finfo(policy.compute).smallest_normal)
         self.ulp_factor = _FLOAT32_FACTOR if policy.compute == torch.float32 else 1.0
         self._matrices: dict[int, dict[tuple, _MatrixNorms]] = {}  # per storage address
+        # the site positions at which the rounder reads the bounds being computed (`bounds_for`)
+        self.read_at: torch.Tensor | None = None
 
     def norms(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """`_norms(x, dim)`, the same bits. A matmul reads each matrix a second time along its
@@ -220,9 +222,18 @@ class BoundContext:
 
 
 def bounds_for(ctx: BoundContext, rule: Rule, func: torch._ops.OpOverload, args: tuple,
-               kwargs: dict, ys: list[torch.Tensor]) -> list[Bound]:
-    """The bounds of a site's values `ys` (outputs, then written arguments), one per tensor."""
-    out = rule.fn(ctx, func, args, kwargs, ys)
+               kwargs: dict, ys: list[torch.Tensor], read_at: torch.Tensor | None = None
+               ) -> list[Bound]:
+    """The bounds of a site's values `ys` (outputs, then written arguments), one per tensor.
+    `read_at`: the site positions (into the values of `ys` one after another, int64, sorted
+    and distinct) at which alone the caller reads them — a replayer, at its log's entries —
+    or None for all of them. A rule may then compute its bound at those positions only
+    (`_convolution`); each bound is exact there, and elsewhere NaN: it certifies nothing."""
+    ctx.read_at = read_at
+    try:
+        out = rule.fn(ctx, func, args, kwargs, ys)
+    finally:
+        ctx.read_at = None
     if len(out) != len(ys):  # a rule that does not fit its op: a bug here, not in the program
         raise AssertionError(f"bound rule {rule.name} gave {len(out)} bounds for {len(ys)} "
                              f"results of {func}")
@@ -904,6 +915,26 @@ def _window_norms(squares: torch.Tensor, kernel: Sequence[int], stride, padding,
     return conv_t(squares, ones, None, stride, padding, extra, 1, dilation).sqrt_()
 
 
+def _window_norms_read(read_at: torch.Tensor | None, y: torch.Tensor, t: torch.Tensor,
+                       kernel: Sequence[int], stride, padding, dilation, transposed: bool
+                       ) -> torch.Tensor | None:
+    """`_window_norms(Σ_c t², ...)` of a 2-D convolution's result `y` (N, C, *size), the
+    site's first, at the window positions of the site positions `read_at` alone (the same
+    bits) and NaN at the others — a bound read there certifies nothing — computed from `t`
+    (N, C', H, W) itself in one C++ call (`torch.ops.ovt.window_norms_at`), where that serves:
+    `read_at` given, `t` a contiguous float64 or float32 CPU tensor that the library reads, and
+    fewer positions than one in the kernel's size (each costs its window's reads of every
+    channel, against one read of `t` for all); else None."""
+    if read_at is None or y.dim() != 4 or t.dim() != 4 or not t.is_contiguous() or \
+            t.dtype not in (torch.float64, torch.float32) or not fused.own_arithmetic(t) or \
+            read_at.numel() * math.prod(kernel) > y.shape[0] * y.shape[2] * y.shape[3]:
+        return None
+    stride, padding, dilation = (_per_dim(p, 2) for p in (stride, padding, dilation))
+    norms = torch.ops.ovt.window_norms_at(t, read_at, y.shape[1], *kernel, *stride, *padding,
+                                          *dilation, transposed, *y.shape[2:])
+    return norms.unsqueeze(1)
+
+
 def _spread(e: Affine | float, dims: int) -> Affine | float:
     """A (rows, cols) bound reshaped to broadcast over `dims` trailing spatial dimensions."""
     if not isinstance(e, Affine) or e.m is None:
@@ -933,9 +964,12 @@ def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:
         return [_spread(ctx.sum_bound(k, s), spatial)]
     # w is (C_out, C_in / groups, *k)
     k = w.shape[1] * kernel
-    squares = _channel_sums(x, spatial=True).spatial
-    assert squares is not None
-    windows = _window_norms(squares, w.shape[2:], stride, padding, dilation)
+    windows = _window_norms_read(ctx.read_at, ys[0], x, w.shape[2:], stride, padding,
+                                 dilation, False)  # (a replayer's: at its entries alone)
+    if windows is None:
+        squares = _channel_sums(x, spatial=True).spatial
+        assert squares is not None
+        windows = _window_norms(squares, w.shape[2:], stride, padding, dilation)
     if bias is None:
         return [_windows_times_channels(ctx, k, windows, _per_sample(w))]
     base = windows * _per_sample(w).reshape(1, -1, *([1] * spatial))
@@ -965,8 +999,13 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     transposed, groups, mask = bool(args[7]), int(args[9]), args[10]
     kernel, spatial = math.prod(w.shape[2:]), x.dim() - 2
     out: list[Bound] = []
-    g_sums = _channel_sums(g, spatial=mask[0] and not transposed, squares=mask[1],
-                           magnitudes=mask[2])
+    # where asked for, grad_input is the site's first result (ys[0]); a replayer's windows at
+    # its entries alone
+    windows = _window_norms_read(ctx.read_at, ys[0], g, w.shape[2:], stride, padding, dilation,
+                                 True) if mask[0] and not transposed else None
+    spatial_sums = mask[0] and not transposed and windows is None
+    g_sums = _channel_sums(g, spatial=spatial_sums, squares=mask[1], magnitudes=mask[2]) \
+        if spatial_sums or mask[1] or mask[2] else _ChannelSums()
     if mask[0]:
         if transposed:  # forward used w (C_in, C_out/g, *k): grad_input[:, i] reads w[i]
             w_c, k = _per_sample(w), w.shape[1] * kernel
@@ -974,9 +1013,10 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o, and
             # of g[n] only the positions whose windows read its position (`_window_norms`)
             w_c, k = _per_channel(w).repeat(groups), w.shape[0] // groups * kernel
-            assert g_sums.spatial is not None
-            windows = _window_norms(g_sums.spatial, w.shape[2:], stride, padding, dilation,
-                                    True, x.shape[2:])
+            if windows is None:
+                assert g_sums.spatial is not None
+                windows = _window_norms(g_sums.spatial, w.shape[2:], stride, padding,
+                                        dilation, True, x.shape[2:])
             out.append(_windows_times_channels(ctx, k, windows, w_c))
     if mask[1]:
         assert g_sums.squares is not None

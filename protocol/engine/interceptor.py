@@ -460,7 +460,9 @@ class RoundingMode(TorchDispatchMode):
     `round_site(op_name, [tensors], [bounds]) -> [tensors]` works (the divergence probe and the
     bound adversary use that). One with `bounds_needed() -> bool` is asked before each site
     whether it reads the bounds; where it does not (a replayed site with no log entries: most
-    of them) they are not computed. One with `claim_exact_site(op_name, numel) -> bool` may take
+    of them) they are not computed, and one with `bound_positions() -> positions | None` (on
+    its class) where it reads them, so that a rule may compute them there alone
+    (`bounds.bounds_for`). One with `claim_exact_site(op_name, numel) -> bool` may take
     a site with e = 0 without seeing its values (the fused pointwise pass); a rounder that must
     see every site's values (a probe) declines, and so must a wrapper that forwards unknown
     attributes to another rounder, unless passing the site over is right for it too (the bound
@@ -482,6 +484,7 @@ class RoundingMode(TorchDispatchMode):
         # asked at every site: looked up once (`_bounds_needed`, `_round_result`, the fused paths)
         self._needed = getattr(rounder, "bounds_needed", None)
         self._in_place = getattr(type(rounder), "rounds_in_place", False)
+        self._positions = getattr(type(rounder), "bound_positions", None)
         self._claim = getattr(rounder, "claim_exact_site", None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -932,7 +935,7 @@ class RoundingMode(TorchDispatchMode):
                 and self._widened.fits(_bytes(y)) and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \
-            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y])[0]
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y], self._read_at())[0]
         r, widened = self.rounder.round_result_in_place(_plan_of(func).name, y, bound)
         if widened:
             if unsigned_zero:
@@ -943,8 +946,14 @@ class RoundingMode(TorchDispatchMode):
     def _round_site(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
         bounds = [None] * len(ys) if rule is None else \
-            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys)
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys, self._read_at())
         return self.rounder.round_site(_plan_of(func).name, ys, bounds)
+
+    def _read_at(self) -> torch.Tensor | None:
+        """Where the rounder reads the next site's bounds (`bound_positions`, looked up on its
+        class as `rounds_in_place` is: a wrapper that forwards attributes to another rounder,
+        and reads the bounds everywhere itself, does not pass it on); None: everywhere."""
+        return None if self._positions is None else self._positions(self.rounder)
 
     # -- conversions into the target dtype -------------------------------------------------------
 

@@ -160,7 +160,9 @@ class _RoundingPaths:
     (`round_site_in_parts`); `rounds_in_place`, a site of one result that the caller owns
     handed to `round_result_in_place`, which may leave its rounding, widened, in that result.
     A subclass that overrides `round_site` (to see every site's values, as a probe does) but
-    neither a path's method nor its flag would miss the sites taken that way: it gets False."""
+    neither a path's method nor its flag would miss the sites taken that way: it gets False.
+    Likewise `bound_positions`, where the rounder reads a site's bounds: such a subclass reads
+    them everywhere unless it says otherwise."""
 
     rounds_in_parts = True
     rounds_in_place = True
@@ -173,6 +175,13 @@ class _RoundingPaths:
                 cls.rounds_in_parts = False
             if not {"round_result_in_place", "rounds_in_place"} & own:
                 cls.rounds_in_place = False
+            if "bound_positions" not in own:
+                cls.bound_positions = _RoundingPaths.bound_positions  # type: ignore[method-assign]
+
+    def bound_positions(self) -> torch.Tensor | None:
+        """The positions of the next site at which this rounder reads its bounds (sorted,
+        distinct, int64: `bounds.bounds_for`'s `read_at`), or None: at all of them."""
+        return None
 
 
 class SiteRecorder(_RoundingPaths):
@@ -461,6 +470,16 @@ class SiteReplayer(_RoundingPaths):
             return True
         site = self.log.sites[self.position]
         return bool(site.indices.size or site.value_indices.size)
+
+    def bound_positions(self) -> torch.Tensor | None:
+        """The next site's entry positions, where alone replay reads its bounds (a rule may
+        compute them there alone: `bounds.bounds_for`); None past the log's end (`round_site`
+        reports the overrun). Whatever positions a log holds, each is checked where it is
+        read, against the bound computed there."""
+        if self.position >= len(self.log.sites):
+            return None
+        site = self.log.sites[self.position]
+        return torch.from_numpy(np.union1d(site.indices, site.value_indices).astype(np.int64))
 
     def finish(self) -> None:
         """Raise if the log has sites or micro-batch parts the replay never reached."""

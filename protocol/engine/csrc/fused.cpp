@@ -22,7 +22,7 @@
 //   compute it; pointwise_list, its foreach form;
 // - fused_normalize and fused_normalize_backward, the normalize formulas of layer and batch
 //   norm (protocol/engine/normops.py), fixed formulas likewise, straight from float32 operands;
-// - sum_bound, embedding_backward_bound, norms, channel_sums, window_norms,
+// - sum_bound, embedding_backward_bound, norms, channel_sums, window_norms, window_norms_at,
 //   layer_norm_backward_bound, softmax_backward_bound and log_softmax_backward_bound, bound
 //   rules' own arithmetic (no torch twin: see there);
 // - row_stats and row_backward_sums, the normalisation statistics in their own summation order
@@ -1336,12 +1336,34 @@ OVT_CLONES void layer_norm_column_terms(const double* __restrict__ g, const doub
   }
 }
 
+// The source row (or column) that output row (or column) `p` of a 2-D convolution's windows
+// reads at kernel offset `k`, -1 outside a source of `size` rows (`window_norms`): not
+// transposed, p·stride − pad + k·dil; transposed, the position t / stride whose window reads
+// p, t = p + pad − k·dil, where stride divides t.
+int64_t window_source(int64_t p, int64_t k, int64_t stride, int64_t pad, int64_t dil,
+                      int64_t size, bool transposed) {
+  if (!transposed) {
+    const int64_t at = p * stride - pad + k * dil;
+    return at >= 0 && at < size ? at : -1;
+  }
+  const int64_t t = p + pad - k * dil;
+  return t >= 0 && t % stride == 0 && t / stride < size ? t / stride : -1;
+}
+
+void check_window_shape(const char* op, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                        int64_t stride_w, int64_t dil_h, int64_t dil_w, int64_t out_h,
+                        int64_t out_w) {
+  TORCH_CHECK(kernel_h >= 1 && kernel_w >= 1 && stride_h >= 1 && stride_w >= 1 &&
+                  dil_h >= 1 && dil_w >= 1 && out_h >= 0 && out_w >= 0,
+              op, ": kernel, stride and dilation must be positive");
+}
+
 // A 2-D convolution's window norms (bounds.py `_window_norms`): from squares (N, H, W), the
 // per-sample sums over channels of a tensor's squares, out[n, p, q] = the square root of the
 // sum of those its window reads — not transposed, the positions (p·s_h − pad_h + i·d_h,
 // q·s_w − pad_w + j·d_w) inside H x W for each kernel offset (i, j); transposed, the positions
 // (a, b) whose window reads (p, q) — p = a·s_h − pad_h + i·d_h, likewise q — an out_h x out_w
-// grid. Summed over i, then j, in order.
+// grid (`window_source`). Summed over i, then j, in order.
 at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t kernel_w,
                         int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
                         int64_t dil_h, int64_t dil_w, bool transposed, int64_t out_h,
@@ -1349,28 +1371,18 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
   TORCH_CHECK(squares.dtype() == at::kDouble && squares.is_contiguous() &&
                   squares.device().is_cpu() && squares.dim() == 3,
               "window_norms: squares must be a contiguous float64 CPU tensor (N, H, W)");
-  TORCH_CHECK(kernel_h >= 1 && kernel_w >= 1 && stride_h >= 1 && stride_w >= 1 &&
-                  dil_h >= 1 && dil_w >= 1 && out_h >= 0 && out_w >= 0,
-              "window_norms: kernel, stride and dilation must be positive");
+  check_window_shape("window_norms", kernel_h, kernel_w, stride_h, stride_w, dil_h, dil_w, out_h,
+                     out_w);
   const int64_t samples = squares.size(0), h = squares.size(1), w = squares.size(2);
   at::Tensor out = at::empty({samples, out_h, out_w}, squares.options());
   const double* sp = squares.data_ptr<double>();
   double* op = out.data_ptr<double>();
-  // the source rows (or columns) one output row reads, one per kernel offset, -1 outside
-  auto sources = [&](int64_t p, int64_t k, int64_t stride, int64_t pad, int64_t dil,
-                     int64_t size) -> int64_t {
-    if (!transposed) {
-      const int64_t at = p * stride - pad + k * dil;
-      return at >= 0 && at < size ? at : -1;
-    }
-    const int64_t t = p + pad - k * dil;
-    return t >= 0 && t % stride == 0 && t / stride < size ? t / stride : -1;
-  };
   at::parallel_for(0, samples, 1, [&](int64_t n0, int64_t n1) {
     std::vector<int64_t> cols(static_cast<size_t>(out_w * kernel_w));
     for (int64_t q = 0; q < out_w; ++q) {
       for (int64_t j = 0; j < kernel_w; ++j) {
-        cols[static_cast<size_t>(q * kernel_w + j)] = sources(q, j, stride_w, pad_w, dil_w, w);
+        cols[static_cast<size_t>(q * kernel_w + j)] =
+            window_source(q, j, stride_w, pad_w, dil_w, w, transposed);
       }
     }
     for (int64_t n = n0; n < n1; ++n) {
@@ -1379,7 +1391,7 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
         double* row = op + (n * out_h + p) * out_w;
         for (int64_t q = 0; q < out_w; ++q) row[q] = 0.0;
         for (int64_t i = 0; i < kernel_h; ++i) {
-          const int64_t src = sources(p, i, stride_h, pad_h, dil_h, h);
+          const int64_t src = window_source(p, i, stride_h, pad_h, dil_h, h, transposed);
           if (src < 0) continue;
           const double* line = plane + src * w;
           for (int64_t q = 0; q < out_w; ++q) {
@@ -1393,6 +1405,80 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
       }
     }
   });
+  return out;
+}
+
+// `window_norms` where a replayer reads a convolution's bounds only (bounds.py
+// `_window_norms_read`: at its log's entries), straight from the tensor t (N, C, H, W) whose
+// squares it sums: (N, out_h, out_w), at the window position (n, p, q) of each of `positions`
+// that falls in the site's first result y (N, channels, out_h, out_w) — the others are another
+// result's, or a hostile log's, checked where they are read — the same bits as
+// window_norms(Σ_c t², ...) there (each source position's Σ_c t² summed over c in order from
+// 0.0, as `channel_sums` does it, then those of the window over i, then j, in order: a source
+// outside adds nothing there, x + 0.0 being x for the sums' x >= 0), and NaN everywhere else:
+// a bound read there certifies nothing. One thread: a few hundred windows.
+template <typename T>
+void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, int64_t channels,
+                         const int64_t* t_shape, const int64_t* window, bool transposed,
+                         double* out, int64_t out_h, int64_t out_w) {
+  const int64_t t_channels = t_shape[1], h = t_shape[2], w = t_shape[3], plane = h * w;
+  const int64_t spatial = out_h * out_w, numel = t_shape[0] * channels * spatial;
+  const int64_t kernel_h = window[0], kernel_w = window[1], stride_h = window[2],
+                stride_w = window[3], pad_h = window[4], pad_w = window[5], dil_h = window[6],
+                dil_w = window[7];
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t at = positions[k];
+    if (at < 0 || at >= numel) continue;
+    const int64_t n = at / (channels * spatial), column = n * spatial + at % spatial;
+    if (!std::isnan(out[column])) continue;  // (a position of another channel read it)
+    const int64_t p = at % spatial / out_w, q = at % out_w;
+    const T* sample = tp + n * t_channels * plane;
+    double total = 0.0;
+    for (int64_t i = 0; i < kernel_h; ++i) {
+      const int64_t a = window_source(p, i, stride_h, pad_h, dil_h, h, transposed);
+      if (a < 0) continue;
+      for (int64_t j = 0; j < kernel_w; ++j) {
+        const int64_t b = window_source(q, j, stride_w, pad_w, dil_w, w, transposed);
+        if (b < 0) continue;
+        double square = 0.0;
+        for (int64_t c = 0; c < t_channels; ++c) {
+          const double v = sample[c * plane + a * w + b];
+          square += v * v;
+        }
+        total += square;
+      }
+    }
+    out[column] = std::sqrt(total);
+  }
+}
+
+at::Tensor window_norms_at(const at::Tensor& t, const at::Tensor& positions, int64_t channels,
+                           int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                           int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dil_h,
+                           int64_t dil_w, bool transposed, int64_t out_h, int64_t out_w) {
+  TORCH_CHECK((t.dtype() == at::kDouble || t.dtype() == at::kFloat) && t.is_contiguous() &&
+                  t.device().is_cpu() && t.dim() == 4,
+              "window_norms_at: t must be a contiguous float64 or float32 CPU tensor "
+              "(N, C, H, W)");
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.is_contiguous() &&
+                  positions.device().is_cpu() && positions.dim() == 1,
+              "window_norms_at: positions must be a contiguous 1-D int64 CPU tensor");
+  TORCH_CHECK(channels >= 1, "window_norms_at: channels must be at least 1");
+  check_window_shape("window_norms_at", kernel_h, kernel_w, stride_h, stride_w, dil_h, dil_w,
+                     out_h, out_w);
+  at::Tensor out = at::empty({t.size(0), out_h, out_w}, t.options().dtype(at::kDouble));
+  std::fill_n(out.data_ptr<double>(), out.numel(), NAN);
+  const int64_t t_shape[] = {t.size(0), t.size(1), t.size(2), t.size(3)};
+  const int64_t window[] = {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
+  if (t.dtype() == at::kDouble) {
+    window_norms_at_run(t.data_ptr<double>(), positions.data_ptr<int64_t>(), positions.numel(),
+                        channels, t_shape, window, transposed, out.data_ptr<double>(), out_h,
+                        out_w);
+  } else {
+    window_norms_at_run(t.data_ptr<float>(), positions.data_ptr<int64_t>(), positions.numel(),
+                        channels, t_shape, window, transposed, out.data_ptr<double>(), out_h,
+                        out_w);
+  }
   return out;
 }
 
@@ -1906,6 +1992,10 @@ TORCH_LIBRARY(ovt, lib) {
       "int pad_h, int pad_w, int dil_h, int dil_w, bool transposed, int out_h, int out_w) "
       "-> Tensor");
   lib.def(
+      "window_norms_at(Tensor t, Tensor positions, int channels, int kernel_h, "
+      "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, "
+      "bool transposed, int out_h, int out_w) -> Tensor");
+  lib.def(
       "layer_norm_backward_bound(Tensor g, Tensor x, Tensor mean, Tensor rstd, Tensor? w, "
       "float u) -> (Tensor, Tensor, Tensor)");
   lib.def(
@@ -1937,6 +2027,7 @@ TORCH_LIBRARY_IMPL(ovt, CPU, lib) {
   lib.impl("row_backward_sums", &row_backward_sums);
   lib.impl("log_softmax_backward_bound", &log_softmax_backward_bound);
   lib.impl("window_norms", &window_norms);
+  lib.impl("window_norms_at", &window_norms_at);
   lib.impl("fused_normalize", &normalize);
   lib.impl("fused_normalize_backward", &normalize_backward);
 }

@@ -47,6 +47,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from protocol.engine import fused
+from protocol.engine.bandpass import bounds_at
 from protocol.engine.bounds import (
     _MAX_ULPS,
     _NORMS_BLOCKED,
@@ -1707,6 +1708,120 @@ def test_window_norms_of_the_kernel_are_the_convolutions(size, kernel, stride, p
                                                transposed_size))):
         assert got.shape == want.shape
         assert torch.all((got - want).abs() <= math.prod(kernel) * 2.0**-52 * want)
+
+
+def _site_bounds_at(ys: list[torch.Tensor], bounds: list, positions: torch.Tensor
+                    ) -> torch.Tensor:
+    """A site's bounds (one per result of `ys`) at site `positions`, as a replayer reads them
+    (`bandpass.bounds_at`, each result's positions at its own offset)."""
+    out, offset = [], 0
+    for y, b in zip(ys, bounds, strict=True):
+        mine = positions[(positions >= offset) & (positions < offset + y.numel())] - offset
+        out.append(bounds_at(y.reshape(-1), y, b, mine))
+        offset += y.numel()
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("conv", CONVS, ids=CONV_IDS)
+def test_convolution_bounds_read_at_entries_are_the_dense_bounds_there(conv, dtype):
+    """A replayer reads a site's bounds at its log's entries alone (`bounds_for`'s `read_at`),
+    where the convolution's rules compute a 2-D window's norm straight from the input, in one
+    C++ call (`_window_norms_read`): at those positions — some sharing a window with another
+    channel's, some in grad_weight and grad_bias — every result's bound has the bits of the
+    bound computed everywhere (forward with and without a bias, backward with each mask), over
+    inputs spanning 2^±40; elsewhere a window read nowhere is NaN: it certifies nothing. The
+    rules that compute everywhere (transposed, 1-D, 3-D, and where the positions are as many as
+    one in the kernel's size) give the same bounds either way."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    x_shape, w_shape, *spec = conv
+    g = torch.Generator().manual_seed(17)
+
+    def spread(shape):
+        return (torch.randn(shape, generator=g, dtype=F64) *
+                torch.exp2(torch.randint(-40, 40, shape, generator=g).double())).to(dtype)
+
+    x, w = spread(x_shape), spread(w_shape)
+    forward = aten.convolution.default
+    y = forward(x.to(F64), w.to(F64), None, *spec)
+    bias = spread((y.shape[1],))
+    ctx = BoundContext(PrecisionPolicy())
+
+    def served(result: torch.Tensor, positions: torch.Tensor) -> bool:  # (`_window_norms_read`)
+        return len(x_shape) == 4 and not spec[3] and \
+            positions.numel() * math.prod(w_shape[2:]) <= result[:, 0].numel()
+
+    picks = [1, y[0, 0].numel() + 1]  # (the second shares the first's window: channel 1)
+    for args in ((x, w, None, *spec), (x, w, bias, *spec)):
+        rule = rule_of(forward, args, {})
+        dense = bounds_for(ctx, rule, forward, args, {}, [y])
+        read_at = torch.tensor(picks + [y.numel() - 1])
+        sparse = bounds_for(ctx, rule, forward, args, {}, [y], read_at)
+        assert torch.equal(_site_bounds_at([y], sparse, read_at),
+                           _site_bounds_at([y], dense, read_at))
+        assert dense_bound(sparse[0], y).isnan().any() == served(y, read_at)
+    out = forward(x.to(F64), w.to(F64), bias.to(F64), *spec)
+    grad = spread(tuple(out.shape))
+    backward = aten.convolution_backward.default
+    for mask in ([True, True, True], [True, False, False], [False, True, True]):
+        args = (grad, x, w, [out.shape[1]] if mask[2] else None, *spec, mask)
+        ys = [r for r in backward(grad.to(F64), x.to(F64), w.to(F64), args[3], *spec, mask)
+              if r is not None]
+        rule = rule_of(backward, args, {})
+        total = sum(r.numel() for r in ys)
+        read_at = torch.tensor(sorted({1, x[0, 0].numel() + 1, total - 2, total - 1}))
+        dense = bounds_for(ctx, rule, backward, args, {}, ys)
+        sparse = bounds_for(ctx, rule, backward, args, {}, ys, read_at)
+        assert torch.equal(_site_bounds_at(ys, sparse, read_at),
+                           _site_bounds_at(ys, dense, read_at))
+        assert dense_bound(sparse[0], ys[0]).isnan().any() == \
+            (mask[0] and served(ys[0], read_at))
+
+
+@pytest.mark.parametrize(("size", "kernel", "stride", "padding", "dilation"), WINDOWS)
+def test_window_norms_at_positions_are_the_window_norms_there(size, kernel, stride, padding,
+                                                              dilation):
+    """`torch.ops.ovt.window_norms_at` against `window_norms` on the channels' sums of squares
+    (`_channel_sums`), forward and transposed: at the window of each position inside the result
+    (duplicates and positions sharing a window among them) the same bits, NaN at every other
+    window, positions outside the result (another result's, a hostile log's: negative or past
+    its end) passed over; at every position, every window's bits; an input holding NaN gives
+    NaN windows where it is read, not a crash."""
+    if fused.MISSING is not None:
+        pytest.skip(f"the fused library is not built: {fused.MISSING}")
+    g = torch.Generator().manual_seed(5)
+    for transposed in (False, True):
+        t = torch.randn((3, 4, *size), generator=g, dtype=F64) * 1e3
+        if transposed:
+            out = [(size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1)
+                   + 1 + (stride[i] - 1) for i in range(2)]
+        else:
+            out = [max(0, (size[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1)
+                       // stride[i] + 1) for i in range(2)]
+        channels = 2  # the result (3, 2, *out) whose positions are read
+        spatial = math.prod(out)
+        want = _window_norms(_channel_sums(t, spatial=True).spatial, kernel, stride, padding,
+                             dilation, transposed, out).reshape(-1)
+        numel = 3 * channels * spatial
+        positions = torch.tensor([-5, 0, 0, spatial, numel - 1, numel, 2**40])
+        got = torch.ops.ovt.window_norms_at(t, positions, channels, *kernel, *stride, *padding,
+                                            *dilation, transposed, *out).reshape(-1)
+        # the windows of positions 0 and `spatial` (sample 0's first) and numel − 1 (the last)
+        read = torch.tensor([0, 3 * spatial - 1])
+        assert torch.equal(got[read], want[read])
+        others = torch.ones(got.numel(), dtype=torch.bool)
+        others[read] = False
+        assert got[others].isnan().all()
+        every = torch.ops.ovt.window_norms_at(t, torch.arange(numel), channels, *kernel,
+                                              *stride, *padding, *dilation, transposed, *out)
+        assert torch.equal(every.reshape(-1), want)
+        t[0, 1].view(-1)[0] = math.nan
+        poisoned = torch.ops.ovt.window_norms_at(t, positions, channels, *kernel, *stride,
+                                                 *padding, *dilation, transposed, *out)
+        nan_windows = _window_norms(_channel_sums(t, spatial=True).spatial, kernel, stride,
+                                    padding, dilation, transposed, out).reshape(-1).isnan()
+        assert torch.equal(poisoned.reshape(-1)[read].isnan(), nan_windows[read])
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])

@@ -300,6 +300,33 @@ def test_every_site_is_logged_in_order():
     rep.finish()
 
 
+def test_only_a_replayer_reads_bounds_at_its_entries_alone():
+    """`bound_positions`, where the rounder reads the next site's bounds (`RoundingMode` hands
+    them to the rules as `read_at`): a replayer's are its log's entries, direction and value,
+    sorted and distinct, and nothing past the log's end; a recorder, a subclass that sees every
+    site's values (the divergence probe) and a wrapper that moves every element by its bound
+    (the adversary, forwarding other attributes to a replayer) read them everywhere."""
+    log = RoundingLog((site_log(40, [3, 30], [True, False], [7, 30], [0, 0]), site_log(5)))
+    rep = SiteReplayer(F64_F32, log)
+    assert torch.equal(rep.bound_positions(), torch.tensor([3, 7, 30]))
+    rep.position = 1
+    assert rep.bound_positions().numel() == 0
+    rep.position = 2
+    assert rep.bound_positions() is None
+
+    class Probe(SiteReplayer):
+        def round_site(self, op, ys, bounds):
+            return super().round_site(op, ys, bounds)
+
+    assert Probe(F64_F32, log).bound_positions() is None
+    assert SiteRecorder(F64_F32).bound_positions() is None
+    for rounder, read_at in ((SiteReplayer(F64_F32, log), [3, 7, 30]),
+                             (BoundAdversary(SiteReplayer(F64_F32, log), F64_F32), None),
+                             (SiteRecorder(F64_F32), None)):
+        got = RoundingMode(F64_F32, rounder)._read_at()
+        assert (got if got is None else got.tolist()) == read_at
+
+
 def test_empty_tensors_in_a_site():
     rec = SiteRecorder(F64_F32)
     y = torch.tensor([1.0 + 2.0**-24], dtype=torch.float64)  # an exact midpoint: logged
