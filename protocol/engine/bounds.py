@@ -225,10 +225,12 @@ def bounds_for(ctx: BoundContext, rule: Rule, func: torch._ops.OpOverload, args:
                kwargs: dict, ys: list[torch.Tensor], read_at: torch.Tensor | None = None
                ) -> list[Bound]:
     """The bounds of a site's values `ys` (outputs, then written arguments), one per tensor.
-    `read_at`: the site positions (into the values of `ys` one after another, int64, sorted
-    and distinct) at which alone the caller reads them — a replayer, at its log's entries —
-    or None for all of them. A rule may then compute its bound at those positions only
-    (`_convolution`); each bound is exact there, and elsewhere NaN: it certifies nothing."""
+    `read_at`: the site positions (into the values of `ys` one after another, int64, in any
+    order, repeats and positions past the site's end allowed: a log's) at which alone the
+    caller reads them — a replayer, at its log's entries — or None for all of them. A rule
+    may then compute its bound at those positions only (`_convolution`): exact there, and
+    elsewhere no larger than the bound, so that a read there by mistake can only reject an
+    entry, never accept one."""
     ctx.read_at = read_at
     try:
         out = rule.fn(ctx, func, args, kwargs, ys)
@@ -920,11 +922,11 @@ def _window_norms_read(read_at: torch.Tensor | None, y: torch.Tensor, t: torch.T
                        ) -> torch.Tensor | None:
     """`_window_norms(Σ_c t², ...)` of a 2-D convolution's result `y` (N, C, *size), the
     site's first, at the window positions of the site positions `read_at` alone (the same
-    bits) and NaN at the others — a bound read there certifies nothing — computed from `t`
-    (N, C', H, W) itself in one C++ call (`torch.ops.ovt.window_norms_at`), where that serves:
-    `read_at` given, `t` a contiguous float64 or float32 CPU tensor that the library reads, and
-    fewer positions than one in the kernel's size (each costs its window's reads of every
-    channel, against one read of `t` for all); else None."""
+    bits) and 0 at the others (`bounds_for`: a bound read there by mistake rejects), computed
+    from `t` (N, C', H, W) itself in one C++ call (`torch.ops.ovt.window_norms_at`), where
+    that serves: `read_at` given, `t` a contiguous float64 or float32 CPU tensor that the
+    library reads, and no more positions than one in the kernel's size (each costs its
+    window's reads of every channel, against one read of `t` for all); else None."""
     if read_at is None or y.dim() != 4 or t.dim() != 4 or not t.is_contiguous() or \
             t.dtype not in (torch.float64, torch.float32) or not fused.own_arithmetic(t) or \
             read_at.numel() * math.prod(kernel) > y.shape[0] * y.shape[2] * y.shape[3]:

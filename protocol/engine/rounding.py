@@ -179,8 +179,8 @@ class _RoundingPaths:
                 cls.bound_positions = _RoundingPaths.bound_positions  # type: ignore[method-assign]
 
     def bound_positions(self) -> torch.Tensor | None:
-        """The positions of the next site at which this rounder reads its bounds (sorted,
-        distinct, int64: `bounds.bounds_for`'s `read_at`), or None: at all of them."""
+        """The positions of the next site at which this rounder reads its bounds (int64, any
+        order: `bounds.bounds_for`'s `read_at`), or None: at all of them."""
         return None
 
 
@@ -475,11 +475,13 @@ class SiteReplayer(_RoundingPaths):
         """The next site's entry positions, where alone replay reads its bounds (a rule may
         compute them there alone: `bounds.bounds_for`); None past the log's end (`round_site`
         reports the overrun). Whatever positions a log holds, each is checked where it is
-        read, against the bound computed there."""
+        read, against the bound computed there. The direction entries' then the value
+        entries', neither sorted nor made distinct here (a rule takes them in any order)."""
         if self.position >= len(self.log.sites):
             return None
         site = self.log.sites[self.position]
-        return torch.from_numpy(np.union1d(site.indices, site.value_indices).astype(np.int64))
+        return torch.from_numpy(np.concatenate((site.indices, site.value_indices))
+                                .astype(np.int64, copy=False))
 
     def finish(self) -> None:
         """Raise if the log has sites or micro-batch parts the replay never reached."""

@@ -1415,8 +1415,9 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
 // result's, or a hostile log's, checked where they are read — the same bits as
 // window_norms(Σ_c t², ...) there (each source position's Σ_c t² summed over c in order from
 // 0.0, as `channel_sums` does it, then those of the window over i, then j, in order: a source
-// outside adds nothing there, x + 0.0 being x for the sums' x >= 0), and NaN everywhere else:
-// a bound read there certifies nothing. One thread: a few hundred windows.
+// outside adds nothing there, x + 0.0 being x for the sums' x >= 0), and 0 everywhere else,
+// below every norm: a bound read there by mistake is too small, and can only reject an entry.
+// One thread: a few hundred windows.
 template <typename T>
 void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, int64_t channels,
                          const int64_t* t_shape, const int64_t* window, bool transposed,
@@ -1426,11 +1427,13 @@ void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, i
   const int64_t kernel_h = window[0], kernel_w = window[1], stride_h = window[2],
                 stride_w = window[3], pad_h = window[4], pad_w = window[5], dil_h = window[6],
                 dil_w = window[7];
+  std::vector<char> done(static_cast<size_t>(t_shape[0] * spatial), 0);
   for (int64_t k = 0; k < count; ++k) {
     const int64_t at = positions[k];
     if (at < 0 || at >= numel) continue;
     const int64_t n = at / (channels * spatial), column = n * spatial + at % spatial;
-    if (!std::isnan(out[column])) continue;  // (a position of another channel read it)
+    if (done[static_cast<size_t>(column)]) continue;  // (a position of another channel's)
+    done[static_cast<size_t>(column)] = 1;
     const int64_t p = at % spatial / out_w, q = at % out_w;
     const T* sample = tp + n * t_channels * plane;
     double total = 0.0;
@@ -1466,8 +1469,7 @@ at::Tensor window_norms_at(const at::Tensor& t, const at::Tensor& positions, int
   TORCH_CHECK(channels >= 1, "window_norms_at: channels must be at least 1");
   check_window_shape("window_norms_at", kernel_h, kernel_w, stride_h, stride_w, dil_h, dil_w,
                      out_h, out_w);
-  at::Tensor out = at::empty({t.size(0), out_h, out_w}, t.options().dtype(at::kDouble));
-  std::fill_n(out.data_ptr<double>(), out.numel(), NAN);
+  at::Tensor out = at::zeros({t.size(0), out_h, out_w}, t.options().dtype(at::kDouble));
   const int64_t t_shape[] = {t.size(0), t.size(1), t.size(2), t.size(3)};
   const int64_t window[] = {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
   if (t.dtype() == at::kDouble) {

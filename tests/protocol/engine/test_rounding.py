@@ -11,6 +11,7 @@ target ULP, through value entries where it is not (several ULPs of cancellation 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ import torch
 from protocol.codec.roundinglog import RoundingLog, SiteLog, encode_log
 from protocol.engine import fused
 from protocol.engine.bandpass import CANONICAL_NAN, dense_bounds
-from protocol.engine.bounds import SAFETY
+from protocol.engine.bounds import SAFETY, _window_norms_read
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -302,13 +303,13 @@ def test_every_site_is_logged_in_order():
 
 def test_only_a_replayer_reads_bounds_at_its_entries_alone():
     """`bound_positions`, where the rounder reads the next site's bounds (`RoundingMode` hands
-    them to the rules as `read_at`): a replayer's are its log's entries, direction and value,
-    sorted and distinct, and nothing past the log's end; a recorder, a subclass that sees every
+    them to the rules as `read_at`): a replayer's are its log's entries, direction then value,
+    and nothing past the log's end; a recorder, a subclass that sees every
     site's values (the divergence probe) and a wrapper that moves every element by its bound
     (the adversary, forwarding other attributes to a replayer) read them everywhere."""
     log = RoundingLog((site_log(40, [3, 30], [True, False], [7, 30], [0, 0]), site_log(5)))
     rep = SiteReplayer(F64_F32, log)
-    assert torch.equal(rep.bound_positions(), torch.tensor([3, 7, 30]))
+    assert rep.bound_positions().tolist() == [3, 30, 7, 30]
     rep.position = 1
     assert rep.bound_positions().numel() == 0
     rep.position = 2
@@ -320,11 +321,39 @@ def test_only_a_replayer_reads_bounds_at_its_entries_alone():
 
     assert Probe(F64_F32, log).bound_positions() is None
     assert SiteRecorder(F64_F32).bound_positions() is None
-    for rounder, read_at in ((SiteReplayer(F64_F32, log), [3, 7, 30]),
+    for rounder, read_at in ((SiteReplayer(F64_F32, log), [3, 30, 7, 30]),
                              (BoundAdversary(SiteReplayer(F64_F32, log), F64_F32), None),
                              (SiteRecorder(F64_F32), None)):
         got = RoundingMode(F64_F32, rounder)._read_at()
         assert (got if got is None else got.tolist()) == read_at
+
+
+@pytest.mark.parametrize("size", [8, 64])  # a site rounded apart, one rounded in place
+def test_replay_hands_a_convolution_rule_the_entries_of_its_site(size, monkeypatch):
+    """In replay `RoundingMode` hands the rules of a site with entries the replayer's positions
+    (`read_at`): a convolution's rule gets the log's entries, and computes its windows there
+    alone; in record it gets none. Both ways a site is rounded: a small result through
+    `round_site`, a large one in place (`round_result_in_place`)."""
+    x, w = torch.randn(2, 3, size, size), torch.randn(4, 3, 3, 3)
+    recorder = SiteRecorder(F64_F32)
+    with RoundingMode(F64_F32, recorder):
+        torch.nn.functional.conv2d(x, w, padding=1)
+    (site,) = recorder.log().sites
+    forged = RoundingLog((site_log(site.numel, [5, 70], [True, False]),))
+    seen = []
+
+    def spy(read_at, *args):
+        seen.append(None if read_at is None else read_at.tolist())
+        return _window_norms_read(read_at, *args)
+
+    monkeypatch.setattr("protocol.engine.bounds._window_norms_read", spy)
+    with contextlib.suppress(LogViolationError):  # (whether the forged entries are valid)
+        with RoundingMode(F64_F32, SiteReplayer(F64_F32, forged)):
+            torch.nn.functional.conv2d(x, w, padding=1)
+    assert seen == [[5, 70]]
+    with RoundingMode(F64_F32, SiteRecorder(F64_F32)):
+        torch.nn.functional.conv2d(x, w, padding=1)
+    assert seen == [[5, 70], None]
 
 
 def test_empty_tensors_in_a_site():
