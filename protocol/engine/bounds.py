@@ -917,23 +917,25 @@ def _window_norms(squares: torch.Tensor, kernel: Sequence[int], stride, padding,
     return conv_t(squares, ones, None, stride, padding, extra, 1, dilation).sqrt_()
 
 
-def _window_norms_read(read_at: torch.Tensor | None, y: torch.Tensor, t: torch.Tensor,
-                       kernel: Sequence[int], stride, padding, dilation, transposed: bool
-                       ) -> torch.Tensor | None:
-    """`_window_norms(Σ_c t², ...)` of a 2-D convolution's result `y` (N, C, *size), the
-    site's first, at the window positions of the site positions `read_at` alone (the same
-    bits) and 0 at the others (`bounds_for`: a bound read there by mistake rejects), computed
-    from `t` (N, C', H, W) itself in one C++ call (`torch.ops.ovt.window_norms_at`), where
-    that serves: `read_at` given, `t` a contiguous float64 or float32 CPU tensor that the
-    library reads, and no more positions than one in the kernel's size (each costs its
-    window's reads of every channel, against one read of `t` for all); else None."""
-    if read_at is None or y.dim() != 4 or t.dim() != 4 or not t.is_contiguous() or \
-            t.dtype not in (torch.float64, torch.float32) or not fused.own_arithmetic(t) or \
+def _window_norms_read(read_at: torch.Tensor | None, y: torch.Tensor, x: torch.Tensor,
+                       kernel: Sequence[int], stride, padding, dilation) -> torch.Tensor | None:
+    """`_window_norms(Σ_c x², ...)` of a 2-D convolution (not transposed) of `x` (N, C', H, W)
+    whose result is `y` (N, C, *size), the site's only one, at the windows of the site
+    positions `read_at` alone (the same bits) and 0 at the others (`bounds_for`: a bound read
+    there by mistake rejects), computed from `x` itself in one C++ call
+    (`torch.ops.ovt.window_norms_at`), where that serves: `read_at` given, `x` a contiguous
+    float64 or float32 CPU tensor that the library reads, and no more positions than one in
+    the kernel's size (each costs its window's reads of every channel, against one read of
+    `x` for all); else None. (Not for the transposed windows of convolution_backward's
+    grad_input: its weight gradient's rule reads every element of the output's gradient
+    anyway, and the same pass gives its windows' squares, measured no slower.)"""
+    if read_at is None or y.dim() != 4 or x.dim() != 4 or not x.is_contiguous() or \
+            x.dtype not in (torch.float64, torch.float32) or not fused.own_arithmetic(x) or \
             read_at.numel() * math.prod(kernel) > y.shape[0] * y.shape[2] * y.shape[3]:
         return None
     stride, padding, dilation = (_per_dim(p, 2) for p in (stride, padding, dilation))
-    norms = torch.ops.ovt.window_norms_at(t, read_at, y.shape[1], *kernel, *stride, *padding,
-                                          *dilation, transposed, *y.shape[2:])
+    norms = torch.ops.ovt.window_norms_at(x, read_at, y.shape[1], *kernel, *stride, *padding,
+                                          *dilation, *y.shape[2:])
     return norms.unsqueeze(1)
 
 
@@ -967,7 +969,7 @@ def _convolution(ctx, func, args, kwargs, ys) -> list[Bound]:
     # w is (C_out, C_in / groups, *k)
     k = w.shape[1] * kernel
     windows = _window_norms_read(ctx.read_at, ys[0], x, w.shape[2:], stride, padding,
-                                 dilation, False)  # (a replayer's: at its entries alone)
+                                 dilation)  # (a replayer's: at its entries alone)
     if windows is None:
         squares = _channel_sums(x, spatial=True).spatial
         assert squares is not None
@@ -1001,13 +1003,8 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
     transposed, groups, mask = bool(args[7]), int(args[9]), args[10]
     kernel, spatial = math.prod(w.shape[2:]), x.dim() - 2
     out: list[Bound] = []
-    # where asked for, grad_input is the site's first result (ys[0]); a replayer's windows at
-    # its entries alone
-    windows = _window_norms_read(ctx.read_at, ys[0], g, w.shape[2:], stride, padding, dilation,
-                                 True) if mask[0] and not transposed else None
-    spatial_sums = mask[0] and not transposed and windows is None
-    g_sums = _channel_sums(g, spatial=spatial_sums, squares=mask[1], magnitudes=mask[2]) \
-        if spatial_sums or mask[1] or mask[2] else _ChannelSums()
+    g_sums = _channel_sums(g, spatial=mask[0] and not transposed, squares=mask[1],
+                           magnitudes=mask[2])
     if mask[0]:
         if transposed:  # forward used w (C_in, C_out/g, *k): grad_input[:, i] reads w[i]
             w_c, k = _per_sample(w), w.shape[1] * kernel
@@ -1015,10 +1012,9 @@ def _convolution_backward(ctx, func, args, kwargs, ys) -> list[Bound]:
         else:  # w (C_out, C_in/g, *k): grad_input[:, c] reads w[:, c % (C_in/g)], all o, and
             # of g[n] only the positions whose windows read its position (`_window_norms`)
             w_c, k = _per_channel(w).repeat(groups), w.shape[0] // groups * kernel
-            if windows is None:
-                assert g_sums.spatial is not None
-                windows = _window_norms(g_sums.spatial, w.shape[2:], stride, padding,
-                                        dilation, True, x.shape[2:])
+            assert g_sums.spatial is not None
+            windows = _window_norms(g_sums.spatial, w.shape[2:], stride, padding, dilation,
+                                    True, x.shape[2:])
             out.append(_windows_times_channels(ctx, k, windows, w_c))
     if mask[1]:
         assert g_sums.squares is not None

@@ -118,7 +118,7 @@ def band_pass_serves(t: torch.Tensor) -> bool:
 def own_arithmetic(t: torch.Tensor) -> bool:
     """Whether ovt's own C++ arithmetic runs on `t`: the library loaded, and `t` on the CPU.
     That is the bound rules' sums (`torch.ops.ovt.sum_bound`, `embedding_backward_bound`,
-    `norms`, `channel_sums`, `window_norms`, `layer_norm_backward_bound`,
+    `norms`, `channel_sums`, `window_norms`, `window_norms_at`, `layer_norm_backward_bound`,
     `softmax_backward_bound`, `log_softmax_backward_bound`, `row_extremes`) and the
     normalisation statistics (`row_stats`, `row_backward_sums`: `normops`). Not `ENABLED`'s
     switch: these have no torch twin giving the same bits (a bound's sums, and the statistics'

@@ -1408,11 +1408,11 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
   return out;
 }
 
-// `window_norms` where a replayer reads a convolution's bounds only (bounds.py
+// `window_norms` (not transposed) where a replayer reads a convolution's bounds only (bounds.py
 // `_window_norms_read`: at its log's entries), straight from the tensor t (N, C, H, W) whose
 // squares it sums: (N, out_h, out_w), at the window position (n, p, q) of each of `positions`
-// that falls in the site's first result y (N, channels, out_h, out_w) — the others are another
-// result's, or a hostile log's, checked where they are read — the same bits as
+// that falls in the convolution's result y (N, channels, out_h, out_w) — a hostile log's others
+// are passed over here, and checked where they are read — the same bits as
 // window_norms(Σ_c t², ...) there (each source position's Σ_c t² summed over c in order from
 // 0.0, as `channel_sums` does it, then those of the window over i, then j, in order: a source
 // outside adds nothing there, x + 0.0 being x for the sums' x >= 0), and 0 everywhere else,
@@ -1420,8 +1420,8 @@ at::Tensor window_norms(const at::Tensor& squares, int64_t kernel_h, int64_t ker
 // One thread: a few hundred windows.
 template <typename T>
 void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, int64_t channels,
-                         const int64_t* t_shape, const int64_t* window, bool transposed,
-                         double* out, int64_t out_h, int64_t out_w) {
+                         const int64_t* t_shape, const int64_t* window, double* out,
+                         int64_t out_h, int64_t out_w) {
   const int64_t t_channels = t_shape[1], h = t_shape[2], w = t_shape[3], plane = h * w;
   const int64_t spatial = out_h * out_w, numel = t_shape[0] * channels * spatial;
   const int64_t kernel_h = window[0], kernel_w = window[1], stride_h = window[2],
@@ -1438,10 +1438,10 @@ void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, i
     const T* sample = tp + n * t_channels * plane;
     double total = 0.0;
     for (int64_t i = 0; i < kernel_h; ++i) {
-      const int64_t a = window_source(p, i, stride_h, pad_h, dil_h, h, transposed);
+      const int64_t a = window_source(p, i, stride_h, pad_h, dil_h, h, false);
       if (a < 0) continue;
       for (int64_t j = 0; j < kernel_w; ++j) {
-        const int64_t b = window_source(q, j, stride_w, pad_w, dil_w, w, transposed);
+        const int64_t b = window_source(q, j, stride_w, pad_w, dil_w, w, false);
         if (b < 0) continue;
         double square = 0.0;
         for (int64_t c = 0; c < t_channels; ++c) {
@@ -1458,7 +1458,7 @@ void window_norms_at_run(const T* tp, const int64_t* positions, int64_t count, i
 at::Tensor window_norms_at(const at::Tensor& t, const at::Tensor& positions, int64_t channels,
                            int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
                            int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dil_h,
-                           int64_t dil_w, bool transposed, int64_t out_h, int64_t out_w) {
+                           int64_t dil_w, int64_t out_h, int64_t out_w) {
   TORCH_CHECK((t.dtype() == at::kDouble || t.dtype() == at::kFloat) && t.is_contiguous() &&
                   t.device().is_cpu() && t.dim() == 4,
               "window_norms_at: t must be a contiguous float64 or float32 CPU tensor "
@@ -1474,12 +1474,10 @@ at::Tensor window_norms_at(const at::Tensor& t, const at::Tensor& positions, int
   const int64_t window[] = {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
   if (t.dtype() == at::kDouble) {
     window_norms_at_run(t.data_ptr<double>(), positions.data_ptr<int64_t>(), positions.numel(),
-                        channels, t_shape, window, transposed, out.data_ptr<double>(), out_h,
-                        out_w);
+                        channels, t_shape, window, out.data_ptr<double>(), out_h, out_w);
   } else {
     window_norms_at_run(t.data_ptr<float>(), positions.data_ptr<int64_t>(), positions.numel(),
-                        channels, t_shape, window, transposed, out.data_ptr<double>(), out_h,
-                        out_w);
+                        channels, t_shape, window, out.data_ptr<double>(), out_h, out_w);
   }
   return out;
 }
@@ -1996,7 +1994,7 @@ TORCH_LIBRARY(ovt, lib) {
   lib.def(
       "window_norms_at(Tensor t, Tensor positions, int channels, int kernel_h, "
       "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dil_h, int dil_w, "
-      "bool transposed, int out_h, int out_w) -> Tensor");
+      "int out_h, int out_w) -> Tensor");
   lib.def(
       "layer_norm_backward_bound(Tensor g, Tensor x, Tensor mean, Tensor rstd, Tensor? w, "
       "float u) -> (Tensor, Tensor, Tensor)");
