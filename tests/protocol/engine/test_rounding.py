@@ -304,9 +304,9 @@ def test_every_site_is_logged_in_order():
 def test_only_a_replayer_reads_bounds_at_its_entries_alone():
     """`bound_positions`, where the rounder reads the next site's bounds (`RoundingMode` hands
     them to the rules as `read_at`): a replayer's are its log's entries, direction then value,
-    and nothing past the log's end; a recorder, a subclass that sees every
-    site's values (the divergence probe) and a wrapper that moves every element by its bound
-    (the adversary, forwarding other attributes to a replayer) read them everywhere."""
+    and nothing past the log's end; a recorder, a subclass that sees every site's values (the
+    divergence probe) and a wrapper that moves every element by its bound (the adversary,
+    forwarding other attributes to a replayer) read them everywhere."""
     log = RoundingLog((site_log(40, [3, 30], [True, False], [7, 30], [0, 0]), site_log(5)))
     rep = SiteReplayer(F64_F32, log)
     assert rep.bound_positions().tolist() == [3, 30, 7, 30]
@@ -334,7 +334,8 @@ def test_replay_hands_a_convolution_rule_the_entries_of_its_site(size, monkeypat
     (`read_at`): a convolution's rule gets the log's entries, and computes its windows there
     alone; in record it gets none. Both ways a site is rounded: a small result through
     `round_site`, a large one in place (`round_result_in_place`)."""
-    x, w = torch.randn(2, 3, size, size), torch.randn(4, 3, 3, 3)
+    g = torch.Generator().manual_seed(size)
+    x, w = torch.randn(2, 3, size, size, generator=g), torch.randn(4, 3, 3, 3, generator=g)
     recorder = SiteRecorder(F64_F32)
     with RoundingMode(F64_F32, recorder):
         torch.nn.functional.conv2d(x, w, padding=1)
