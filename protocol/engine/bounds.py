@@ -136,13 +136,16 @@ class Rule:
     `RoundingMode`'s parts path). `unsigned_zero`: the algorithms it covers may disagree on the
     sign of a zero result (y·(g − s) and g·y − y·s where y = 0) or of a result that rounds to
     zero (a tiny ±value), which no bound absorbs and no entry records, so the interceptor makes
-    every rounded zero +0 (the composite ops)."""
+    every rounded zero +0 (the composite ops). `at_positions`: it may compute its bounds at the
+    positions where they are read alone (`bounds_for`'s `read_at`, the convolution's); the
+    interceptor asks the rounder for them for such a rule only."""
 
     name: str
     fn: RuleFn
     reads_inputs: bool = True
     elementwise: bool = False
     unsigned_zero: bool = False
+    at_positions: bool = False
 
 
 class _MatrixNorms(NamedTuple):
@@ -228,7 +231,8 @@ def bounds_for(ctx: BoundContext, rule: Rule, func: torch._ops.OpOverload, args:
     `read_at`: the site positions (into the values of `ys` one after another, int64, in any
     order, repeats and positions past the site's end allowed: a log's) at which alone the
     caller reads them — a replayer, at its log's entries — or None for all of them. A rule
-    may then compute its bound at those positions only (`_convolution`): exact there, and
+    that says so (`Rule.at_positions`) may then compute its bound at those positions only
+    (`_convolution`): exact there, and
     elsewhere no larger than the bound, so that a read there by mistake can only reject an
     entry, never accept one."""
     ctx.read_at = read_at
@@ -1530,7 +1534,7 @@ def _table() -> dict[str, Rule]:
     add(["mv"], Rule("mv", _mv))
     add(["addmv"], Rule("addmv", _addmv))
     add(["dot", "vdot"], Rule("dot", _dot))
-    add(["convolution"], Rule("convolution", _convolution))
+    add(["convolution"], Rule("convolution", _convolution, at_positions=True))
     add(["convolution_backward"], Rule("convolution-backward", _convolution_backward))
     add(["arange"], Rule("arange", _arange, reads_inputs=False))
     add(["linspace"], Rule("linspace", _linspace, reads_inputs=False))

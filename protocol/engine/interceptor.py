@@ -462,13 +462,13 @@ class RoundingMode(TorchDispatchMode):
     whether it reads the bounds; where it does not (a replayed site with no log entries: most
     of them) they are not computed, and one with `bound_positions() -> positions | None` (on
     its class) where it reads them, so that a rule may compute them there alone
-    (`bounds.bounds_for`). One with `claim_exact_site(op_name, numel) -> bool` may take
-    a site with e = 0 without seeing its values (the fused pointwise pass); a rounder that must
-    see every site's values (a probe) declines, and so must a wrapper that forwards unknown
-    attributes to another rounder, unless passing the site over is right for it too (the bound
-    adversary passes over exact operations, and takes roots and quotients wide: its own
-    `claim_exact_site`). `randomness` serves the step's RANDOM ops;
-    without it they are refused.
+    (`bounds.bounds_for`; asked for a rule with `at_positions` only). One with
+    `claim_exact_site(op_name, numel) -> bool` may take a site with e = 0 without seeing its
+    values (the fused pointwise pass); a rounder that must see every site's values (a probe)
+    declines, and so must a wrapper that forwards unknown attributes to another rounder, unless
+    passing the site over is right for it too (the bound adversary passes over exact
+    operations, and takes roots and quotients wide: its own `claim_exact_site`). `randomness`
+    serves the step's RANDOM ops; without it they are refused.
     """
 
     def __init__(self, policy: PrecisionPolicy, rounder, compute: Compute = native_compute,
@@ -935,7 +935,7 @@ class RoundingMode(TorchDispatchMode):
                 and self._widened.fits(_bytes(y)) and not _shares_storage(y, inputs)):
             return self._round_site(func, rule, inputs, [y])[0]
         bound = None if rule is None else \
-            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y], self._read_at())[0]
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], [y], self._read_at(rule))[0]
         r, widened = self.rounder.round_result_in_place(_plan_of(func).name, y, bound)
         if widened:
             if unsigned_zero:
@@ -946,14 +946,18 @@ class RoundingMode(TorchDispatchMode):
     def _round_site(self, func, rule: Rule | None, inputs: tuple[tuple, dict],
                     ys: list[torch.Tensor]) -> list[torch.Tensor]:
         bounds = [None] * len(ys) if rule is None else \
-            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys, self._read_at())
+            bounds_for(self._bounds, rule, func, inputs[0], inputs[1], ys, self._read_at(rule))
         return self.rounder.round_site(_plan_of(func).name, ys, bounds)
 
-    def _read_at(self) -> torch.Tensor | None:
+    def _read_at(self, rule: Rule) -> torch.Tensor | None:
         """Where the rounder reads the next site's bounds (`bound_positions`, looked up on its
         class as `rounds_in_place` is: a wrapper that forwards attributes to another rounder,
-        and reads the bounds everywhere itself, does not pass it on); None: everywhere."""
-        return None if self._positions is None else self._positions(self.rounder)
+        and reads the bounds everywhere itself, does not pass it on), for a rule that computes
+        them there alone (`Rule.at_positions`: the others are not handed positions, which a
+        replayer gathers from its log); None: everywhere."""
+        if not rule.at_positions or self._positions is None:
+            return None
+        return self._positions(self.rounder)
 
     # -- conversions into the target dtype -------------------------------------------------------
 

@@ -25,7 +25,7 @@ import torch
 from protocol.codec.roundinglog import RoundingLog, SiteLog, encode_log
 from protocol.engine import fused
 from protocol.engine.bandpass import CANONICAL_NAN, dense_bounds
-from protocol.engine.bounds import SAFETY, _window_norms_read
+from protocol.engine.bounds import SAFETY, Rule, _window_norms_read
 from protocol.engine.interceptor import RoundingMode
 from protocol.engine.precision import (
     PrecisionPolicy,
@@ -306,7 +306,8 @@ def test_only_a_replayer_reads_bounds_at_its_entries_alone():
     them to the rules as `read_at`): a replayer's are its log's entries, direction then value,
     and nothing past the log's end; a recorder, a subclass that sees every site's values (the
     divergence probe) and a wrapper that moves every element by its bound (the adversary,
-    forwarding other attributes to a replayer) read them everywhere."""
+    forwarding other attributes to a replayer) read them everywhere; and a rule that does not
+    compute its bounds at positions alone (`Rule.at_positions`) is handed none."""
     log = RoundingLog((site_log(40, [3, 30], [True, False], [7, 30], [0, 0]), site_log(5)))
     rep = SiteReplayer(F64_F32, log)
     assert rep.bound_positions().tolist() == [3, 30, 7, 30]
@@ -321,11 +322,14 @@ def test_only_a_replayer_reads_bounds_at_its_entries_alone():
 
     assert Probe(F64_F32, log).bound_positions() is None
     assert SiteRecorder(F64_F32).bound_positions() is None
+    convolution = Rule("convolution", lambda *_: [], at_positions=True)
     for rounder, read_at in ((SiteReplayer(F64_F32, log), [3, 30, 7, 30]),
                              (BoundAdversary(SiteReplayer(F64_F32, log), F64_F32), None),
                              (SiteRecorder(F64_F32), None)):
-        got = RoundingMode(F64_F32, rounder)._read_at()
+        mode = RoundingMode(F64_F32, rounder)
+        got = mode._read_at(convolution)
         assert (got if got is None else got.tolist()) == read_at
+        assert mode._read_at(Rule("sum", lambda *_: [])) is None  # (no `at_positions`)
 
 
 @pytest.mark.parametrize("size", [8, 64])  # a site rounded apart, one rounded in place
