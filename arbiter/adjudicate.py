@@ -130,10 +130,13 @@ def adjudicate(spec: JobSpec, challenge: Challenge, trainer: Party, auditor: Par
         # Built once: its batch size checks B_i, its model re-executes step i. No data file
         # is read: B_i's examples come from the parties, checked against the data root.
         program = load_job_program(spec, examples=False)
-        evidence, reexec = _gather(spec, dispute, parties, program.batch_size, profile,
-                                   evidence_timeout_s)
+        gathered = _gather(spec, dispute, parties, program.batch_size, profile,
+                           evidence_timeout_s)
         fetched = _now()
-        if reexec is None:
+        if isinstance(gathered, Reexecution):  # the `withheld` finding: no evidence to run
+            reexec = gathered
+        else:
+            evidence = gathered
             say(f"re-executing step {dispute.step} on {profile.name}")
             reexec = reexecute(spec, dispute, evidence.prev_state, evidence.examples,
                                evidence.log, program=program, profile=profile)
@@ -161,21 +164,21 @@ def _commitment(party: Party, copy: SignedCommitment, key: bytes | None, spec: J
 
     Raises ConfigError when the party's key cannot be established: no key given and its node
     serves no valid commitment of its own."""
-    served = None
-    if key is None or not _signed_by(copy, key, spec, party.role, n):
-        try:
-            served = party.commitment(n, timeout_s)
-            served.verify(job_id=spec.job_id, role=party.role, n=n,
-                          public_key=key if key is not None else served.commitment.public_key)
-        except (OvtError, ValueError) as err:
-            if key is None:
-                raise ConfigError(f"cannot establish the {party.role}'s key: its node serves "
-                                  f"no valid commitment over {n} steps ({err}); give its "
-                                  f"registered key (--{party.role}-key)") from None
-            raise ConfigError(f"no commitment of the {party.role}'s to play under: the "
-                              f"challenge's is not signed by its registered key, and its node "
-                              f"serves no valid one over {n} steps ({err})") from None
-        key = served.commitment.public_key
+    if key is not None and _signed_by(copy, key, spec, party.role, n):
+        return copy, key
+    try:
+        served = party.commitment(n, timeout_s)
+        served.verify(job_id=spec.job_id, role=party.role, n=n,
+                      public_key=key if key is not None else served.commitment.public_key)
+    except (OvtError, ValueError) as err:
+        if key is None:
+            raise ConfigError(f"cannot establish the {party.role}'s key: its node serves "
+                              f"no valid commitment over {n} steps ({err}); give its "
+                              f"registered key (--{party.role}-key)") from None
+        raise ConfigError(f"no commitment of the {party.role}'s to play under: the "
+                          f"challenge's is not signed by its registered key, and its node "
+                          f"serves no valid one over {n} steps ({err})") from None
+    key = served.commitment.public_key
     return (copy if _signed_by(copy, key, spec, party.role, n) else served), key
 
 
@@ -193,6 +196,8 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
     """Ask the next question of both parties and play their answers (or their silence)."""
     state, step = game.ask(state, _now())
     limit = game.deadline(state)
+    if limit is None:  # a bug: the game just asked a question, so one is outstanding
+        raise AssertionError(f"the question for leaf {step} has no deadline")
     answers: queue.Queue = queue.Queue()
     threads = [threading.Thread(target=_fetch_leaf, args=(role, party, step, limit, answers),
                                 name=f"ovt-arbiter-{role}", daemon=True)
@@ -253,7 +258,7 @@ def _describe(state: GameState, step: int) -> str:
 # -- the evidence (SPEC §5.3) -------------------------------------------------------------------
 
 def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], batch_size: int,
-            profile: Profile, timeout_s: float) -> tuple[Evidence | None, Reexecution | None]:
+            profile: Profile, timeout_s: float) -> Evidence | Reexecution:
     """S_{i-1}, B_i (of the program's `batch_size` examples) and L_i, each from the first
     party whose answer verifies. When nobody's does, the `withheld` finding instead (L_i is
     the trainer's alone to serve; S_{i-1} and B_i either party could, so neither serving one
@@ -284,7 +289,7 @@ def _gather(spec: JobSpec, dispute: Dispute, parties: dict[str, Party], batch_si
                 raise ArbiterError(f"checking the {role}'s {name} failed on the arbiter's "
                                    f"side: {err!r}") from err
         if value is None:
-            return None, withheld(i, owed_by, f"nobody served a valid {name}: "
-                                  + "; ".join(problems), profile.name)
+            return withheld(i, owed_by, f"nobody served a valid {name}: "
+                            + "; ".join(problems), profile.name)
         found.append(value)
-    return Evidence(*found), None
+    return Evidence(*found)

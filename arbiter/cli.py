@@ -157,9 +157,8 @@ def profile_of(args) -> Profile:
     return profile
 
 
-def _hex_bytes(text: str | None, what: str, size: int) -> bytes | None:
-    if text is None:
-        return None
+def _hex_bytes(text: str, what: str, size: int) -> bytes:
+    """`text` as `size` bytes in hex; ConfigError (exit 2) naming option `what` otherwise."""
     try:
         value = bytes.fromhex(text)
     except ValueError:
@@ -169,12 +168,17 @@ def _hex_bytes(text: str | None, what: str, size: int) -> bytes | None:
     return value
 
 
+def _key_option(text: str | None, what: str) -> bytes | None:
+    """The public key option `what` (64 hex digits), None when it is not given."""
+    return None if text is None else _hex_bytes(text, what, 32)
+
+
 # -- adjudicate ---------------------------------------------------------------------------------
 
 def _adjudicate(args) -> int:
     job_id = _hex_bytes(args.job, "--job", 32)
-    trainer_key = _hex_bytes(args.trainer_key, "--trainer-key", 32)
-    auditor_key = _hex_bytes(args.auditor_key, "--auditor-key", 32)
+    trainer_key = _key_option(args.trainer_key, "--trainer-key")
+    auditor_key = _key_option(args.auditor_key, "--auditor-key")
     if not (args.deadline > 0 and args.evidence_timeout > 0):
         raise ConfigError("--deadline and --evidence-timeout must be positive")
     key = KeyPair.load(args.key) if args.key is not None else KeyPair.generate()
@@ -267,7 +271,7 @@ def _verify(args) -> int:
         data = args.verdict.read_bytes()
     except OSError as err:
         raise ConfigError(f"cannot read {args.verdict}: {err.strerror}") from None
-    arbiter_key = _hex_bytes(args.arbiter_key, "--arbiter-key", 32)
+    arbiter_key = _key_option(args.arbiter_key, "--arbiter-key")
     try:
         verdict = verify_verdict(data, arbiter_key=arbiter_key)
         if args.evidence is not None:

@@ -26,6 +26,7 @@ a full audit, and the record's `note` says why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -211,7 +212,6 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
                 if sample is not None:
                     sampled = sample_job(store, source, key, runner, fraction=sample,
                                          progress=progress)
-                    outcome = sampled.audit
                 elif processes > 1:
                     outcome = replay_in_intervals(store, source, key, runner, progress=progress)
                 else:
@@ -221,9 +221,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
                 source.close()
             if sampled is None:
                 return _record(channel, store, outcome, deadline_s)
-            if outcome is None:  # no sampled interval diverged
+            if sampled.audit is None:  # no sampled interval diverged
                 return _sampled_record(spec, sampled)
-            return dataclasses.replace(_record(channel, store, outcome, deadline_s),
+            return dataclasses.replace(_record(channel, store, sampled.audit, deadline_s),
                                        sample=sampled.sample, note=sampled.note)
         finally:
             store.close()
@@ -260,15 +260,17 @@ def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,
             deadline_s: float) -> AuditRecord:
     spec, own = store.spec, outcome.commitment
     path = store.dir / CHALLENGE_FILE
-    common = dict(job_id=spec.job_id, steps=spec.steps, replayed=own.commitment.n,
-                  trainer_commitment=outcome.trainer_commitment, auditor_commitment=own)
+    record = functools.partial(AuditRecord, job_id=spec.job_id, steps=spec.steps,
+                               replayed=own.commitment.n,
+                               trainer_commitment=outcome.trainer_commitment,
+                               auditor_commitment=own)
     if outcome.matches:
         path.unlink(missing_ok=True)  # a stale one from an audit of another trainer root
-        return AuditRecord(state=MATCHED, **common)
+        return record(state=MATCHED)
     step = outcome.first_divergent_step
     if step is None:  # every leaf matched, yet the roots differ: nothing to point at
-        return AuditRecord(state=DIVERGED, reason="the roots differ although every replayed "
-                           "leaf matched", **common)
+        return record(state=DIVERGED, reason="the roots differ although every replayed leaf "
+                      "matched")
     challenge = Challenge(
         job_id=spec.job_id, step=step, reason=outcome.reason or "",
         trainer_commitment=outcome.trainer_commitment,
@@ -276,10 +278,9 @@ def _record(channel: grpc.Channel, store: JobStore, outcome: AuditOutcome,
                                    deadline_s),
         auditor_commitment=own, auditor_leaf=own_claim(store, step, own),
         trainer_leaf0=trainer_claim(channel, spec, 0, outcome.trainer_commitment, deadline_s),
-        auditor_leaf0=own_claim(store, 0, own))
+        auditor_leaf0=leaf_claim(store, 0, own))
     atomic_write(path, challenge.to_bytes())
-    return AuditRecord(state=DIVERGED, divergent_step=step, reason=outcome.reason,
-                       challenge=path, **common)
+    return record(state=DIVERGED, divergent_step=step, reason=outcome.reason, challenge=path)
 
 
 def trainer_claim(channel: grpc.Channel, spec: JobSpec, step: int, signed: SignedCommitment,
@@ -312,9 +313,15 @@ def trainer_claim(channel: grpc.Channel, spec: JobSpec, step: int, signed: Signe
 
 def own_claim(store: JobStore, step: int, signed: SignedCommitment) -> Claim | None:
     """The auditor's own leaf `step` with its proof under its commitment (None: not replayed)."""
+    return leaf_claim(store, step, signed) if step <= signed.commitment.n else None
+
+
+def leaf_claim(store: JobStore, step: int, signed: SignedCommitment) -> Claim:
+    """Leaf `step` of `store` with its proof under `signed`, whose n it must not exceed (leaf 0
+    is under every commitment). Raises ValueError for a step past n."""
     n = signed.commitment.n
     if step > n:
-        return None
+        raise ValueError(f"leaf {step} is not under a commitment over {n} steps")
     leaf = store.leaf(step)
     return Claim(store.spec.job_id, step, leaf.state_hash, leaf.log_hash,
                  tuple(store.tree(n).proof(step)), n + 1)

@@ -208,9 +208,14 @@ def _audit(args) -> int:
 
 
 def verdict_line(record: AuditRecord) -> str:
+    """The one line `audit` prints. Raises ValueError for a matched record without the
+    auditor's commitment, which `run_audit` never returns (the root it prints is that one's)."""
     job = record.job_id.hex()
     note = f" ({record.note})" if record.note else ""
     if record.state == MATCHED:
+        if record.auditor_commitment is None:
+            raise ValueError(f"job {job}: a matched audit record without the auditor's "
+                             f"commitment")
         return (f"job {job}: MATCHED: {record.steps} steps replayed, root "
                 f"{record.auditor_commitment.commitment.root.hex()}{note}")
     if record.state == SAMPLED:

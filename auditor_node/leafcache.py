@@ -124,18 +124,23 @@ class CachedClaims:
         self.path = Path(job_dir) / CACHE_FILE
         self._cache: LeafCache | None = None
 
-    def commitment(self) -> SignedCommitment:
-        signed = self.source.commitment()
+    def _open(self, signed: SignedCommitment) -> LeafCache:
+        """The leaf cache, opened under `signed` (the source's commitment) at the first call."""
         if self._cache is None:
             self._cache = LeafCache(self.path, signed)
+        return self._cache
+
+    def commitment(self) -> SignedCommitment:
+        signed = self.source.commitment()
+        self._open(signed)
         return signed
 
     def leaf(self, step: int) -> Leaf:
-        self.commitment()
-        leaf = self._cache.get(step)
+        cache = self._open(self.source.commitment())
+        leaf = cache.get(step)
         if leaf is None:
             leaf = self.source.leaf(step)
-            self._cache.add(leaf)
+            cache.add(leaf)
         return leaf
 
     def log_bytes(self, step: int) -> bytes:

@@ -28,7 +28,7 @@ import torch
 
 from arbiter.adjudicate import adjudicate
 from arbiter.parties import RemoteParty
-from auditor_node.audit import own_claim
+from auditor_node.audit import leaf_claim, own_claim
 from proto import ovt_pb2_grpc
 from proto.claims import ClaimsServicer, StoreDirectory
 from protocol.commit.keys import KeyPair
@@ -84,12 +84,12 @@ def main() -> None:
                              profile=Profile.parse("emulated-gpu"))
         audit_s = time.perf_counter() - t0
         j = outcome.first_divergent_step
-        assert j == k, f"the audit diverged at {j}, not at the fault's step {k}"
+        assert j is not None and j == k, f"the audit diverged at {j}, not at the fault's step {k}"
         challenge = Challenge(spec.job_id, j, outcome.reason or "", outcome.trainer_commitment,
-                              own_claim(trainer, j, outcome.trainer_commitment),
+                              leaf_claim(trainer, j, outcome.trainer_commitment),
                               outcome.commitment, own_claim(auditor, j, outcome.commitment),
-                              own_claim(trainer, 0, outcome.trainer_commitment),
-                              own_claim(auditor, 0, outcome.commitment))
+                              leaf_claim(trainer, 0, outcome.trainer_commitment),
+                              leaf_claim(auditor, 0, outcome.commitment))
         trainer.close()
         auditor.close()
 

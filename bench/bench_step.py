@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from protocol.codec.roundinglog import encode_log, size_report
+from protocol.codec.roundinglog import RoundingLog, encode_log, size_report
 from protocol.codec.state import state_digest
 from protocol.engine import allocator, fused
-from protocol.engine.executor import Executor
+from protocol.engine.executor import Executor, StepResult
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile, plain_profile
 from protocol.engine.programs.registry import BUILTIN, load_program
@@ -130,6 +130,13 @@ def fused_in_use(device: str) -> str:
     return "yes" + (" (CUDA kernels)" if device == "cuda" else "")
 
 
+def _recorded_log(result: StepResult) -> RoundingLog:
+    """The rounding log of a record step (an "ovt" executor's step always records one)."""
+    if result.log is None:
+        raise RuntimeError("a record step returned no rounding log")
+    return result.log
+
+
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -157,14 +164,15 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
         # Timed steps run `repeats` times from the same S_{t-1} (restored between repeats, outside
         # the timing), interleaved across the executors; a step's time is its fastest repeat.
         n = repeats if keep else 1
-        before = {role: execs[role].state() for role in ROLES} if n > 1 else None
-        res, best = {}, {}
+        before = {role: execs[role].state() for role in ROLES} if n > 1 else {}
+        res: dict[str, StepResult] = {}
+        best: dict[str, float] = {}
         for r in range(n):
             for role in ROLES:
                 if r:
                     execs[role].load_state(before[role])
                 if role == "replay":
-                    out = execs[role].step(res["record"].log)
+                    out = execs[role].step(_recorded_log(res["record"]))
                 elif role == "record-torch":
                     out = _with_torch_ops(execs[role].step)
                 elif role == "nearest":
@@ -172,16 +180,17 @@ def run_program(name: str, preset: str, steps: int, warmup: int, seed: int, init
                 else:
                     out = execs[role].step()
                 res.setdefault(role, out)  # the first repeat's result (and log)
-                if r and role == "record" and encode_log(out.log) != encode_log(res[role].log):
+                if r and role == "record" and \
+                        encode_log(_recorded_log(out)) != encode_log(_recorded_log(res[role])):
                     run.repeat_logs_equal = False
                 best[role] = min(best.get(role, float("inf")), out.seconds)
-        log = res["record"].log
+        log = _recorded_log(res["record"])
         rep = size_report(log)
         recorded = state_digest(execs["record"].state())
         same = recorded == state_digest(execs["replay"].state())
         run.hash_equal.append(same)  # every step, warm-up included
         run.band_passes_equal &= recorded == state_digest(execs["record-torch"].state()) and \
-            encode_log(res["record-torch"].log) == encode_log(log)
+            encode_log(_recorded_log(res["record-torch"])) == encode_log(log)
         if keep:
             for role in ROLES:
                 run.seconds[role].append(best[role])

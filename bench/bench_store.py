@@ -14,6 +14,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,7 +42,7 @@ def bench_program(name: str, preset: str, steps: int) -> dict[str, float]:
                              commit_interval=steps)
     times: dict[str, list[float]] = {k: [] for k in ("step", "state", "hash", "leaf", "append")}
     with tempfile.TemporaryDirectory() as root:
-        store = JobStore(root, spec)
+        store = JobStore(Path(root), spec)
         store.put_initial(state0)
         ex = Executor(load_job_program(spec), seed=0, policy=spec.policy,
                       profile=Profile.parse("cpu-2t"))
@@ -53,6 +54,8 @@ def bench_program(name: str, preset: str, steps: int) -> dict[str, float]:
             times["state"].append(dt)
             h, dt = _timed(lambda state=state: state_digest(state))
             times["hash"].append(dt)
+            if result.log is None:  # a record step of an "ovt" executor always records one
+                raise AssertionError(f"step {t} recorded no rounding log")
             log = encode_log(result.log)
             _, dt = _timed(lambda t=t, h=h, log=log: leaf_hash(leaf_data(t, h, log_digest(log))))
             times["leaf"].append(dt)

@@ -17,6 +17,7 @@ exits 1 if any replay is not bit-exact, 2 if there is no CUDA device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -35,14 +36,15 @@ def check(program: str, preset: str, steps: int, trainer: str, auditor: str,
           workers: tuple[int, int] = (1, 1)) -> bool:
     with tempfile.TemporaryDirectory(prefix="ovt-cuda-check-") as run_dir:
         parallel = workers != (1, 1)
-        common = dict(program=program, preset=preset, config={}, seed=0, init_seed=1,
-                      steps=steps, policy="float64->float32", mode="ovt",
-                      probe_steps=() if parallel else (1,), run_dir=run_dir,
-                      micro_batches=4 if parallel else 1)
+        trainer_side = SideSpec(role="trainer", program=program, preset=preset, config={},
+                                seed=0, init_seed=1, steps=steps, policy="float64->float32",
+                                profile=trainer, mode="ovt",
+                                probe_steps=() if parallel else (1,), run_dir=run_dir,
+                                micro_batches=4 if parallel else 1, workers=workers[0])
+        auditor_side = dataclasses.replace(trainer_side, role="auditor", profile=auditor,
+                                           workers=workers[1])
         started = time.perf_counter()
-        result = replay_check(
-            SideSpec(role="trainer", profile=trainer, workers=workers[0], **common),
-            SideSpec(role="auditor", profile=auditor, workers=workers[1], **common))
+        result = replay_check(trainer_side, auditor_side)
         wall = time.perf_counter() - started
     s = result.summary()
     worst = max((d["max_fraction_of_bound"] for d in result.auditor.divergence.values()),

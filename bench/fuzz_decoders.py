@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import safetensors.torch
@@ -86,6 +87,7 @@ EDITS = ("flip", "set", "insert", "delete", "truncate", "word", "value")
 Edit = tuple[str, int, int]  # (kind, position, choice): see `mutate`
 MSGPACK, SAFETENSORS, BINARY = "msgpack", "safetensors", "binary"  # a target's byte layout
 FINDING = "FINDING"
+T = TypeVar("T")  # what a target decodes
 DROP = object()  # a "value" edit's replacement that removes the node from its map or list
 # Integers at the edges of the widths a binary layout uses (AFL's "interesting values").
 WORDS = [(width, value) for width in (1, 2, 4, 8)
@@ -105,14 +107,14 @@ JSON_VALUES: list[object] = [
 
 
 @dataclass(frozen=True)
-class Target:
+class Target(Generic[T]):
     """One decoder of untrusted bytes: `decode` it, and `check(obj, data)` what it decoded (a
     description of what is wrong, or None), starting mutations from `seeds()` (real objects'
     bytes) laid out as `layout` (which "value" edits follow)."""
 
     name: str
-    decode: Callable[[bytes], object]
-    check: Callable[[object, bytes], str | None]
+    decode: Callable[[bytes], T]
+    check: Callable[[T, bytes], str | None]
     seeds: Callable[[], list[bytes]]
     layout: str
 
@@ -307,9 +309,9 @@ def _replace(value: object, index: int, new: object,
 
 # ---- the property of each kind of decoder ---------------------------------------------------
 
-def reencodes(encode_obj: Callable[[object], bytes]) -> Callable[[object, bytes], str | None]:
+def reencodes(encode_obj: Callable[[T], bytes]) -> Callable[[T, bytes], str | None]:
     """The property of a canonical decoder: the object re-encodes to exactly its input."""
-    def check(obj: object, data: bytes) -> str | None:
+    def check(obj: T, data: bytes) -> str | None:
         if encode_obj(obj) != data:
             return f"decoded a {type(obj).__name__} that re-encodes to other bytes (an alias)"
         return None
@@ -484,7 +486,7 @@ def _examples() -> list[bytes]:
                              ProvenExample(9, example, [])])]
 
 
-TARGETS: tuple[Target, ...] = (
+TARGETS: tuple[Target[Any], ...] = (
     Target("canonical", decode, reencodes(encode),
            lambda: [encode({"a": [1, -2, 2**40, 1.5, None, True, b"\x00"], "b": {"c": "d"}})],
            MSGPACK),

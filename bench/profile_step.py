@@ -72,7 +72,10 @@ def main() -> None:
     print(f"{args.program} ({args.preset}), {args.mode}: median step under cProfile "
           f"{1e3 * sorted(seconds)[len(seconds) // 2]:.1f} ms; exclusive ms per step:")
     stats = pstats.Stats(profiler)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+    # Stats.stats, the raw table (get_stats_profile keys by bare name, merging same-named
+    # functions of different files), is undocumented and missing from typeshed's stubs.
+    table = stats.stats  # type: ignore[attr-defined]
+    rows = sorted(table.items(), key=lambda kv: -kv[1][2])[:args.top]
     for (filename, line, name), (_, calls, tottime, _, _) in rows:
         where = filename.rsplit("/", 1)[-1] if filename != "~" else "torch"
         print(f"  {tottime * per_step:8.2f}  {calls / args.steps:8.0f} calls  "

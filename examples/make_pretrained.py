@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from protocol.engine.executor import Executor
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
@@ -30,8 +32,11 @@ def main() -> None:
     ex.init_state(5)
     for _ in range(args.steps):
         ex.step()
-    ex.model.save_pretrained(args.out)
-    print(f"wrote {args.out} ({sum(p.numel() for p in ex.model.parameters()):,} parameters)")
+    model = ex.model
+    if not isinstance(model, PreTrainedModel):  # hf-causal-lm builds a transformers model
+        raise TypeError(f"hf-causal-lm built a {type(model).__name__}, not a PreTrainedModel")
+    model.save_pretrained(args.out)
+    print(f"wrote {args.out} ({sum(p.numel() for p in model.parameters()):,} parameters)")
 
 
 if __name__ == "__main__":

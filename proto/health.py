@@ -81,12 +81,15 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
 
         if not context.add_callback(close):
             return  # the call has already ended
-        sent = None
+        sent: int | None = None  # the status last sent; None before the first
+
+        def woken() -> bool:  # wait_for's predicate: reads `sent` as this generator last set it
+            return (closed.is_set() or self._shutting_down
+                    or self._status_of(request.service) != sent)
+
         while context.is_active():
             with self._changed:
-                self._changed.wait_for(
-                    lambda last=sent: closed.is_set() or self._shutting_down
-                    or self._status_of(request.service) != last, WATCH_POLL_S)
+                self._changed.wait_for(woken, WATCH_POLL_S)
                 status, ending = self._status_of(request.service), self._shutting_down
             if closed.is_set():
                 return

@@ -107,10 +107,11 @@ def _invent_entry(log: RoundingLog) -> RoundingLog:
     if which is not None:
         index = 0
     else:
-        which, index = next(((i, _first_gap(s)) for i, s in enumerate(sites)
-                             if s.indices.size + s.value_indices.size < s.numel), (None, None))
-        if which is None:
+        gap = next(((i, _first_gap(s)) for i, s in enumerate(sites)
+                    if s.indices.size + s.value_indices.size < s.numel), None)
+        if gap is None:
             raise ConfigError("every element of the step's rounding log is logged already")
+        which, index = gap
     site = sites[which]
     pos = int((site.indices < index).sum())
     indices = site.indices.tolist()
@@ -188,9 +189,20 @@ class TrainerFaults(StepHooks):
                 raise ConfigError("skip-warmup: the program has no learning-rate schedule")
             advance(ex.scheduler)
 
+    def _saved_state(self, t: int) -> dict[str, torch.Tensor]:
+        """S_{t-1}, which `before(t, ...)` saved for a fault at step t that replays or undoes it.
+
+        Raises AssertionError if the hooks were called out of `StepHooks`' order.
+        """
+        if self._saved is None:
+            raise AssertionError(f"step {t}: after() without before() saving S_{t - 1}")
+        return self._saved
+
     def examples(self, t, examples):
         examples = list(examples)
         if self._at("swap-examples", t):
+            if self._ex is None:
+                raise AssertionError(f"step {t}: examples() called before before()")
             ds = self._ex.program.dataset
             batch = set(batch_indices(self._ex.seed, len(ds), len(examples), t).tolist())
             other = next((i for i in range(len(ds)) if i not in batch), None)
@@ -205,19 +217,19 @@ class TrainerFaults(StepHooks):
     def after(self, t, ex, log):
         if self._at("log-flip", t):  # S_t stays honest; the log replays to another state
             honest = ex.state()
-            flipped, _, _ = _effective_flip(ex, self._saved, self._examples, decode_log(log),
-                                            honest)
+            flipped, _, _ = _effective_flip(ex, self._saved_state(t), self._examples,
+                                            decode_log(log), honest)
             ex.load_state(honest)
             log = encode_log(flipped)
         if self._at("log-drop", t):
             # Round that element the other (legal, in-band) way, then leave it out of the log.
-            flipped, which, entry = _effective_flip(ex, self._saved, self._examples,
+            flipped, which, entry = _effective_flip(ex, self._saved_state(t), self._examples,
                                                     decode_log(log), ex.state())
             log = encode_log(_drop_entry(flipped, which, entry))
         if self._at("log-invent", t):
             log = encode_log(_invent_entry(decode_log(log)))
         if self._at("skip-step", t):
-            ex.load_state({**self._saved, "step": torch.tensor(t, dtype=torch.int64)})
+            ex.load_state({**self._saved_state(t), "step": torch.tensor(t, dtype=torch.int64)})
             log = encode_log(RoundingLog(()))
         if self._at("swap-checkpoint", t):
             ex.load_state(one_ulp_off(ex.state()))

@@ -129,6 +129,10 @@ class JobRunner:
 
     def _run(self, job_id: bytes) -> None:
         store = self.stores.get(job_id)
+        if store is None:  # a bug: `_track` queues only jobs whose stores `self.stores` holds
+            log.error("job %s: internal error: its store is not open", job_id.hex())
+            self._queue.update(job_id, state=FAILED, error="internal error: store not open")
+            return
         steps = store.spec.steps
         workers = min(self.workers, store.spec.micro_batches)
         log.info("job %s: training from step %d of %d%s", job_id.hex(), store.last_step(), steps,

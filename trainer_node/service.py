@@ -224,7 +224,7 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
                 raise UnavailableError("the trainer is shutting down; the job resumes when it "
                                        "restarts")
             latest = self.runner.wait_for_change(request.job_id, status, WATCH_POLL_S)
-            if latest != status:
+            if latest is not None and latest != status:  # (None: no status, nothing to send)
                 status = latest
                 yield _to_message(status)
 
