@@ -207,15 +207,20 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
     pending = len(threads)
     while pending and game.is_running(state) and game.needs_answer_from(state):
         try:
-            role, data, at = answers.get(timeout=max(limit - _now(), 0) + _GRACE_S)
+            received = [answers.get(timeout=max(limit - _now(), 0) + _GRACE_S)]
         except queue.Empty:  # a party's transport overran its own timeout: silence
             break
         pending -= 1
-        if isinstance(data, BaseException):
-            raise ArbiterError(f"asking the {role} for leaf {step} failed on the arbiter's "
-                               f"side: {data!r}") from data
-        if data is not None:
-            state = game.answer(state, role, data, max(at, state.clock))
+        if received[0][2] > limit:  # late: the others first (`_the_rest`)
+            received += _the_rest(answers, pending)
+            pending -= len(received) - 1
+            received.sort(key=lambda answer: answer[2])
+        for role, data, at in received:
+            if isinstance(data, BaseException):
+                raise ArbiterError(f"asking the {role} for leaf {step} failed on the "
+                                   f"arbiter's side: {data!r}") from data
+            if data is not None and game.is_running(state) and game.needs_answer_from(state):
+                state = game.answer(state, role, data, max(at, state.clock))
     if game.is_running(state) and game.needs_answer_from(state):
         while _now() <= limit:
             time.sleep(max(limit - _now(), 0) + 0.001)
@@ -224,6 +229,26 @@ def _round(state: GameState, parties: dict[str, Party], say: Events) -> GameStat
         thread.join(max(limit - _now(), 0) + 1.0)
     say(_describe(state, step))
     return state
+
+
+def _the_rest(answers: queue.Queue, pending: int) -> list[tuple]:
+    """The `pending` answers still to come, each waited for up to `_GRACE_S` (every fetching
+    thread reports by its deadline, its transport's timeout past it at most).
+
+    An answer received after the deadline loses (SPEC §5.2), and the game then ends against
+    every party that has not answered yet, whose time is up too — in the order of receipt. The
+    queue's order is not quite that: a thread that read the clock in time but was preempted
+    before queueing its answer (the interpreter switches threads every few milliseconds) comes
+    after a later answer. So before a late answer is played the others must be in, and `_round`
+    plays them all in the order they were received: an answer in time is never blamed for a
+    later one."""
+    rest = []
+    for _ in range(pending):
+        try:
+            rest.append(answers.get(timeout=_GRACE_S))
+        except queue.Empty:  # its transport overran its own timeout: silence
+            break
+    return rest
 
 
 def _fetch_leaf(role: str, party: Party, step: int, limit: float, out: queue.Queue) -> None:

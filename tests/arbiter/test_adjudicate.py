@@ -5,10 +5,13 @@ is set aside for the other party's; the arbiter's own errors end without a verdi
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
 
+from arbiter import adjudicate
 from arbiter.parties import StoreParty
 from auditor_node.audit import own_claim
 from auditor_node.faults import AuditorFaults
@@ -163,6 +166,55 @@ def test_a_silent_auditor_loses_at_the_deadline_of_the_first_question(job, tmp_p
     verdict = result.verdict
     assert (verdict.fault, verdict.finding, verdict.step) == ("auditor", "timeout", 3)
     assert verdict.timings["bisection_s"] >= 0.5
+
+
+class _Late(StoreParty):
+    """Answers every question, but only after its deadline (`timeout_s` is the time left)."""
+
+    def leaf(self, step, timeout_s):
+        time.sleep(timeout_s + 0.05)
+        return super().leaf(step, timeout_s)
+
+
+class _Relay:
+    """The answers' queue as one fetching thread sees it: `put` waits for `wait` (if given),
+    then queues, then sets `done` (if given)."""
+
+    def __init__(self, out, wait=None, done=None) -> None:
+        self.out, self.wait, self.done = out, wait, done
+
+    def put(self, item) -> None:
+        if self.wait is not None:
+            assert self.wait.wait(10)
+        self.out.put(item)
+        if self.done is not None:
+            self.done.set()
+
+
+def test_an_answer_in_time_queued_behind_a_late_one_is_not_blamed_for_it(job, tmp_path,
+                                                                          monkeypatch):
+    # Regression (adversarial review, suspicion 1): the arbiter played the answers in the order
+    # they were queued, and a late answer ends the game against every party yet to answer; an
+    # auditor that answered in time, whose thread was preempted between reading the clock and
+    # queueing its answer, lost with the late trainer ("both"). The preemption is made certain
+    # here: the auditor's answer is queued only once the trainer's late one is.
+    spec, state0 = job
+    cheater = train(tmp_path / "trainer", spec, state0,
+                    hooks=TrainerFaults([parse_fault("lr:6")]))
+    dispute = audit(tmp_path / "auditor", cheater)
+    late_queued = threading.Event()
+    fetch = adjudicate._fetch_leaf
+
+    def preempted(role, party, step, limit, out):
+        if role == "trainer":
+            fetch(role, party, step, limit, _Relay(out, done=late_queued))
+        else:
+            fetch(role, party, step, limit, _Relay(out, wait=late_queued))
+
+    monkeypatch.setattr(adjudicate, "_fetch_leaf", preempted)
+    result = settle(dispute, trainer=_Late("trainer", dispute.trainer), deadline_s=0.5)
+    verdict = result.verdict
+    assert (verdict.fault, verdict.finding) == ("trainer", "timeout")
 
 
 class _Prepared(StoreParty):
