@@ -45,9 +45,13 @@ from protocol.commit.keys import KeyPair
 from protocol.dispute.challenge import Challenge
 from protocol.engine.profiles import Profile
 from protocol.engine.programs.registry import require_allowed
-from protocol.errors import ConfigError, EncodingError, OvtError, PeerError
+from protocol.errors import ConfigError, EncodingError, OvtError, PeerError, ResourceLimitError
 from protocol.files import atomic_write
-from protocol.job.create import DEFAULT_MAX_PARAMS, locate_data_file, require_model_size
+from protocol.job.create import (
+    DEFAULT_MAX_PARAMS,
+    load_job_program,
+    require_model_size,
+)
 from protocol.job.intervals import IntervalRunner, replay_in_intervals
 from protocol.job.run import AuditOutcome, Progress, StepHooks, replay_job
 from protocol.job.sampling import Sample, SampleOutcome, require_fraction, sample_job
@@ -58,6 +62,7 @@ from .leafcache import CachedClaims
 from .states import RemoteStates
 
 CHALLENGE_FILE = "challenge.ovt"
+DEFAULT_MAX_STEPS = 1 << 20  # the most steps of a job an auditor takes on (--max-steps)
 MATCHED, DIVERGED, SAMPLED, FAILED = "matched", "diverged", "sampled", "failed"
 VERDICTS = (MATCHED, DIVERGED, SAMPLED, FAILED)
 _RECORD_FIELDS = ("job_id", "state", "steps", "replayed", "divergent_step", "reason",
@@ -163,7 +168,7 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
               profile: Profile, *, tls_ca: Path | None = None,
               allow_remote_plaintext: bool = False, progress: Progress | None = None,
               allowed_programs: Collection[str] = (),
-              max_params: int = DEFAULT_MAX_PARAMS,
+              max_params: int = DEFAULT_MAX_PARAMS, max_steps: int = DEFAULT_MAX_STEPS,
               deadline_s: float = DEFAULT_DEADLINE_S,
               hooks: StepHooks | None = None, data_dir: Path | None = None,
               processes: int = 1, sample: float | None = None,
@@ -177,11 +182,15 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     (a spec that does not hash to `job_id` included), ConfigError for a job whose program is
     neither a built-in nor in `allowed_programs` (loading a program imports code here, so a
     trainer may not choose an arbitrary one), ResourceLimitError for a built-in model of more
-    than `max_params` parameters (checked before it is built), ProgramError if this machine's
-    program source differs from the job's, ConfigError for a job whose data file is not in
-    `data_dir` (or leaves it, or `data_dir` is None: checked before the job's store is made) or
-    differs from the committed one, StoreError for a damaged store; and whatever `progress`
-    or `check_stop` raises (the audit then resumes from the store on the next call).
+    than `max_params` parameters (checked before it is built) or a job of more than
+    `max_steps` steps (`require_job_steps`; both before the job's store is made),
+    ProgramError if this machine's program source differs from the job's, ConfigError for a
+    job whose data file is not in `data_dir` (or leaves it, or `data_dir` is None: checked
+    before the job's store is made) or differs from the committed one, StoreError for a
+    damaged store, RefusedError for a store that replayed another commitment to the job
+    (`protocol.job.run.begin_replay`: a replay is resumed only as far as its leaves are this
+    trainer's); and whatever `progress` or `check_stop` raises (the audit then resumes from
+    the store on the next call).
 
     `processes` > 1 replays the intervals between the trainer's checkpoints in that many
     worker processes (`replay_in_intervals`); `sample` = F replays a fraction F of them
@@ -202,8 +211,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
                       allow_remote_plaintext=allow_remote_plaintext) as channel:
         spec = fetch_spec(channel, job_id, deadline_s)
         require_allowed(spec.program, allowed_programs, "auditor")
+        require_job_steps(spec, max_steps)
         require_model_size(spec, max_params)
-        locate_data_file(spec, data_dir)
+        load_job_program(spec, data_dir)  # SPEC §2.1: its examples (and data file) committed
         store = JobStore(store_root, spec)
         try:
             source = CachedClaims(RemoteClaims(channel, spec, deadline_s=deadline_s), store.dir)
@@ -227,6 +237,16 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
                                        sample=sampled.sample, note=sampled.note)
         finally:
             store.close()
+
+
+def require_job_steps(spec: JobSpec, max_steps: int) -> None:
+    """Refuse a job of more than `max_steps` steps, before anything is planned or replayed: a
+    trainer chooses its spec's n and signs a commitment over it at no cost, so without a bound
+    a plain audit of n = 2**40 steps would hold this auditor's one worker for good, and a
+    sampled one lay out a plan of that many intervals. Raises ResourceLimitError."""
+    if spec.steps > max_steps:
+        raise ResourceLimitError(f"job {spec.job_id.hex()} has {spec.steps} steps; at most "
+                                 f"{max_steps} are audited here (--max-steps)")
 
 
 def fetch_spec(channel: grpc.Channel, job_id: bytes, deadline_s: float) -> JobSpec:

@@ -40,7 +40,7 @@ from protocol.job.faults import Fault
 from protocol.job.intervals import require_processes
 from protocol.job.sampling import REPORTED_CHEATS, Sample
 
-from .audit import DIVERGED, MATCHED, SAMPLED, AuditRecord, run_audit
+from .audit import DEFAULT_MAX_STEPS, DIVERGED, MATCHED, SAMPLED, AuditRecord, run_audit
 from .faults import KINDS as FAULT_KINDS
 from .faults import AuditorFaults, parse_auditor_fault
 from .server import AuditorNode
@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                              help="the largest built-in model (in parameters, counted from the "
                                   "job's config before anything is built) a trainer's job may "
                                   "make this auditor build (default: %(default)s)")
+        command.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS,
+                             help="the most steps of a job this auditor audits (a trainer "
+                                  "chooses a job's steps; default: %(default)s)")
         add_data_dir_option(command)
         command.add_argument("--insecure-allow-remote-plaintext", action="store_true",
                              help=_PLAINTEXT_HELP)
@@ -146,10 +149,12 @@ def _sample(text: str | None) -> float | None:
     return fraction
 
 
-def _positive(max_params: int) -> int:
-    if max_params < 1:
-        raise ConfigError(f"--max-params must be at least 1, got {max_params}")
-    return max_params
+def _positive(option: str, value: int) -> int:
+    """The value of a count option (--max-params, --max-steps), at least 1. Raises
+    ConfigError."""
+    if value < 1:
+        raise ConfigError(f"{option} must be at least 1, got {value}")
+    return value
 
 
 def _warn_faults(args) -> None:
@@ -164,7 +169,9 @@ def _serve(args) -> int:
                        listen=args.listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                        tls_ca=args.tls_ca, allowed_programs=args.allow_program,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
-                       limits=limits_of(args), max_params=_positive(args.max_params),
+                       limits=limits_of(args),
+                       max_params=_positive("--max-params", args.max_params),
+                       max_steps=_positive("--max-steps", args.max_steps),
                        data_dir=args.data_dir, processes=_processes(args.processes),
                        sample=_sample(args.sample),
                        faults=tuple(args.inject_fault))  # it warns when faults are set
@@ -174,7 +181,11 @@ def _serve(args) -> int:
     port = node.start()
     try:
         if args.port_file:
-            atomic_write(args.port_file, f"{port}\n".encode())
+            try:
+                atomic_write(args.port_file, f"{port}\n".encode())
+            except OSError as err:
+                raise ConfigError(f"cannot write the port file {args.port_file}: "
+                                  f"{err.strerror}") from None
         print(f"ovt-auditor: serving on port {port} (profile {args.profile}, store "
               f"{args.store})", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
@@ -198,7 +209,9 @@ def _audit(args) -> int:
                        Profile.parse(args.profile), tls_ca=args.tls_ca,
                        allow_remote_plaintext=args.insecure_allow_remote_plaintext,
                        allowed_programs=args.allow_program, progress=_progress,
-                       max_params=_positive(args.max_params), data_dir=args.data_dir,
+                       max_params=_positive("--max-params", args.max_params),
+                       max_steps=_positive("--max-steps", args.max_steps),
+                       data_dir=args.data_dir,
                        hooks=AuditorFaults(args.inject_fault) if args.inject_fault else None,
                        processes=processes, sample=sample)
     if sys.stderr.isatty() and 0 < record.replayed < record.steps:

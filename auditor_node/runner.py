@@ -1,10 +1,11 @@
 """Audits from a queue, one at a time on one thread, with a status per job for watchers.
 
 `AuditRunner.submit` starts an audit, or joins the one already queued, running or decided for
-that job (a failed audit is started again, and so is a sampled one when this runner audits in
-full: "sampled, not verified" is no verdict a full audit may join). Each status change bumps
-the status's `version`, so `wait` can block until there is something new; the queue, its worker
-thread and the wake-ups are the daemons' shared `protocol.job.queue.JobQueue`.
+that job at the same trainer (a failed audit is started again, and so is a sampled one when this
+runner audits in full: "sampled, not verified" is no verdict a full audit may join); a request
+naming another trainer is refused unless the job's audit failed (see `submit`). Each status
+change bumps the status's `version`, so `wait` can block until there is something new; the
+queue, its worker thread and the wake-ups are the daemons' shared `protocol.job.queue.JobQueue`.
 
 The runner keeps two files per job in the auditor's store, both canonical bytes:
 `audit-request.ovt` (the trainer's address, written when the audit is queued) and `audit.ovt`
@@ -32,14 +33,22 @@ from protocol.codec.canonical import decode_object, encode
 from protocol.codec.fields import require_fields
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError, OvtError
+from protocol.errors import ConfigError, EncodingError, OvtError, RefusedError
 from protocol.files import atomic_write
 from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.queue import JobQueue, Stopped
 from protocol.job.run import StepHooks
 from protocol.job.store import SPEC_FILE
 
-from .audit import DIVERGED, FAILED, MATCHED, SAMPLED, AuditRecord, run_audit
+from .audit import (
+    DEFAULT_MAX_STEPS,
+    DIVERGED,
+    FAILED,
+    MATCHED,
+    SAMPLED,
+    AuditRecord,
+    run_audit,
+)
 
 QUEUED, RUNNING = "queued", "running"
 TERMINAL = (MATCHED, DIVERGED, SAMPLED, FAILED)
@@ -71,7 +80,7 @@ class AuditRunner:
     def __init__(self, store_root: Path, key: KeyPair, profile: Profile, *,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (),
-                 max_params: int = DEFAULT_MAX_PARAMS,
+                 max_params: int = DEFAULT_MAX_PARAMS, max_steps: int = DEFAULT_MAX_STEPS,
                  audit: Callable[..., AuditRecord] = run_audit,
                  hooks: StepHooks | None = None, data_dir: Path | None = None,
                  processes: int = 1, sample: float | None = None) -> None:
@@ -86,7 +95,7 @@ class AuditRunner:
         self.key, self.profile, self.tls_ca = key, profile, tls_ca
         self.allow_remote_plaintext = allow_remote_plaintext
         self.allowed_programs = tuple(allowed_programs)
-        self.max_params = max_params
+        self.max_params, self.max_steps = max_params, max_steps
         self._audit = audit
         self._queue: JobQueue[AuditStatus] = JobQueue("audit-runner", self._run,
                                                       max_waiting=MAX_PENDING, noun="audits")
@@ -97,7 +106,13 @@ class AuditRunner:
     # -- life cycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.store_root.mkdir(parents=True, exist_ok=True)
+        """Make the store, load its audits and start the worker. Raises ConfigError for a store
+        that cannot be made (a bad `--store`, said in one line, not a traceback)."""
+        try:
+            self.store_root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"cannot make the store {self.store_root}: {err.strerror}") \
+                from None
         self.recover()
         self._queue.start()
 
@@ -128,11 +143,28 @@ class AuditRunner:
     # -- queries -------------------------------------------------------------------------------
 
     def submit(self, job_id: bytes, trainer: str) -> AuditStatus:
-        """Queue an audit of `job_id` at `trainer`, or join the one already under way or decided
-        (a failed one is queued again, and a sampled one when this runner audits in full).
-        Raises ResourceLimitError when MAX_PENDING are waiting."""
+        """Queue an audit of `job_id` at `trainer`, or join the one of that trainer already
+        under way or decided (a failed one is queued again, and a sampled one when this runner
+        audits in full).
+
+        An audit is of a job at one trainer: a request naming another trainer never joins it,
+        since its verdict is about another commitment. The wire names an audit by its job alone
+        (GetAudit, GetChallenge, and the auditor's Claims an arbiter reads), so this node holds
+        one audit per job, and another trainer's audit takes the job's place only after a
+        failed one (which decided nothing; its replay is resumed only as far as its leaves are
+        the new trainer's, `protocol.job.run.begin_replay`). A decided audit is never replaced:
+        its client, reading it by job id, would be told another trainer's verdict, and could
+        take another trainer's challenge to an arbiter, who would rule it bad and blame this
+        auditor. Raises RefusedError for another trainer while the job's audit is queued,
+        running (it is not interrupted for another peer) or decided, ResourceLimitError when
+        MAX_PENDING are waiting."""
         with self._queue.lock:
             current = self._queue.get(job_id)
+            if current is not None and current.trainer != trainer and current.state != FAILED:
+                raise RefusedError(
+                    f"job {job_id.hex()} is audited here at another trainer "
+                    f"({current.trainer}: {current.state}); this node holds one audit per job"
+                    + ("" if current.finished else ", ask again if that audit fails"))
             if current is not None and current.state != FAILED and not (
                     current.state == SAMPLED and self.sample is None):
                 return current
@@ -179,7 +211,7 @@ class AuditRunner:
                                  tls_ca=self.tls_ca, progress=progress,
                                  allow_remote_plaintext=self.allow_remote_plaintext,
                                  allowed_programs=self.allowed_programs,
-                                 max_params=self.max_params,
+                                 max_params=self.max_params, max_steps=self.max_steps,
                                  # only when set: an `audit` stand-in need not know of these
                                  **({} if self.hooks is None else {"hooks": self.hooks}),
                                  **({} if self.data_dir is None else

@@ -26,6 +26,7 @@ from protocol.files import remove_stale_temp_files
 from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
 
+from .audit import DEFAULT_MAX_STEPS
 from .faults import AuditorFaults
 from .runner import AuditRunner
 from .service import AuditorServicer
@@ -41,16 +42,18 @@ class AuditorNode:
                  tls_cert: Path | None = None, tls_key: Path | None = None,
                  tls_ca: Path | None = None, allow_remote_plaintext: bool = False,
                  allowed_programs: Collection[str] = (), limits: ServerLimits | None = None,
-                 max_params: int = DEFAULT_MAX_PARAMS, data_dir: Path | None = None,
+                 max_params: int = DEFAULT_MAX_PARAMS, max_steps: int = DEFAULT_MAX_STEPS,
+                 data_dir: Path | None = None,
                  processes: int = 1, sample: float | None = None,
                  faults: Collection[Fault] = ()) -> None:
         """`limits`: the server's worker threads, stream slots and stream idle timeout
         (default `ServerLimits()`). `max_params`: the largest built-in model a trainer's spec
-        may make this auditor build. `data_dir`: the folder jobs' data files are read in (None:
-        a job with one fails its audit, saying so). `processes`, `sample`: how every audit
-        replays (see `auditor_node.audit.run_audit`). `faults`: FAULT INJECTION only (tests and
-        demos): make this auditor lie, see `auditor_node.faults`. Raises ConfigError for a bad
-        address, TLS files or plaintext off loopback."""
+        may make this auditor build; `max_steps`: the most steps of a job it audits.
+        `data_dir`: the folder jobs' data files are read in (None: a job with one fails its
+        audit, saying so). `processes`, `sample`: how every audit replays (see
+        `auditor_node.audit.run_audit`). `faults`: FAULT INJECTION only (tests and demos): make
+        this auditor lie, see `auditor_node.faults`. Raises ConfigError for a bad address, TLS
+        files or plaintext off loopback."""
         profile.check_runnable()
         if faults:
             log.warning("FAULT INJECTION: this auditor LIES on purpose (%s); for tests and "
@@ -58,6 +61,7 @@ class AuditorNode:
         self.runner = AuditRunner(store_root, key, profile, tls_ca=tls_ca,
                                   allow_remote_plaintext=allow_remote_plaintext,
                                   allowed_programs=allowed_programs, max_params=max_params,
+                                  max_steps=max_steps,
                                   data_dir=data_dir, processes=processes, sample=sample,
                                   hooks=AuditorFaults(faults) if faults else None)
         claims = ClaimsServicer(StoreDirectory(Path(store_root)), data_dir=data_dir)

@@ -138,8 +138,12 @@ def _fault(text: str) -> Fault:
 def _certs(args) -> int:
     if (args.out / "key.pem").exists() or (args.out / "cert.pem").exists():
         raise ConfigError(f"{args.out} already holds cert.pem or key.pem; not overwriting")
-    args.out.mkdir(parents=True, exist_ok=True)
-    cert, key = make_self_signed_cert(args.out, args.hostname)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        cert, key = make_self_signed_cert(args.out, args.hostname)
+    except OSError as err:
+        raise ConfigError(f"cannot write cert.pem and key.pem into {args.out}: "
+                          f"{err.strerror or err}") from None
     print(f"wrote {cert} and {key} (valid for {args.hostname}, localhost, 127.0.0.1, ::1)")
     return 0
 
@@ -241,6 +245,7 @@ def _status(args) -> int:
     except ValueError:
         raise ConfigError(f"--job must be a hex job id, got {args.job!r}") from None
     stub, ref = _stub(args), ovt_pb2.JobRef(job_id=job_id)
+    status: ovt_pb2.JobStatus | None = None
     try:
         if not args.watch:
             status = stub.Status(ref, timeout=CALL_TIMEOUT_S)
@@ -250,6 +255,8 @@ def _status(args) -> int:
                 print(_line(status), flush=True)
     except grpc.RpcError as err:
         raise _rpc_error("Watch" if args.watch else "Status", err) from None
+    if status is None:  # a Watch that ended OK before its first message: the trainer's fault
+        raise PeerError(f"trainer ended Watch of job {job_id.hex()} without sending its status")
     return EXIT_FAILED if status.state == "failed" else 0
 
 

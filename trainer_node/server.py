@@ -19,6 +19,7 @@ from proto.limits import ServerLimits
 from proto.serving import DEFAULT_MAX_MESSAGE_BYTES, build_server, make_health
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
+from protocol.errors import ConfigError
 from protocol.files import remove_stale_temp_files
 from protocol.job.create import DEFAULT_MAX_PARAMS
 from protocol.job.faults import Fault
@@ -60,8 +61,15 @@ class TrainerNode:
     """The trainer daemon in-process: `start` binds and serves, `stop` shuts down gracefully."""
 
     def __init__(self, config: TrainerConfig) -> None:
+        """Make the store folder and bind the server (`start` serves). Raises ConfigError for
+        a store path that cannot be a folder (under a regular file, say), a profile this
+        machine cannot run, and what `build_server` raises."""
         config.profile.check_runnable()
-        config.store.mkdir(parents=True, exist_ok=True)
+        try:
+            config.store.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"cannot make the store folder {config.store}: "
+                              f"{err.strerror or err}") from None
         self.config = config
         self.stores = StoreDirectory(config.store)
         faults = TrainerFaults(config.faults) if config.faults else None

@@ -17,7 +17,9 @@ becomes a gRPC status with a one-line message (never a traceback):
     daemon shutting down                                           UNAVAILABLE
 
 Submitting is idempotent: the job id is the spec's hash, and submitting a known job returns the
-same id without touching its store.
+same id without touching its store. A job whose examples (a data file's, or a built-in program's
+own dataset) are not the ones its spec commits to is taken, and fails when it starts training,
+saying so: the examples are hashed then, not here.
 
 What a peer can make the trainer hold is bounded before the work is done. The spec is checked
 first, without building anything: a built-in program's size comes from its config alone
@@ -253,8 +255,11 @@ class TrainerServicer(ovt_pb2_grpc.TrainerServicer):
         (ResourceLimitError); and a data file that is not in this trainer's data folder (or
         leaves it, or there is none): all from the spec alone, before anything is built or
         read. A user program (one the operator allowed) is built to check its config: only its
-        code can tell. A data file's examples are checked against the job's commitment when
-        the job starts training (a mismatch fails the job, saying so)."""
+        code can tell (and its dataset's size against the data commitment's count). The job's
+        examples, a data file's or a built-in's own, are checked against its data commitment
+        when the job starts training (`require_committed_data` in `load_job_program`: a
+        mismatch fails the job, saying so): hashing every example is a job's work, which the
+        queue bounds, not a Submit's, which a peer may send at will (SPEC §2.1)."""
         try:
             require_allowed(spec.program, self.allowed_programs, "trainer")
             locate_data_file(spec, self.data_dir)

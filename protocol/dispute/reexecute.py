@@ -169,8 +169,11 @@ def check_state(dispute: Dispute, state: object) -> tuple[bytes | None, str | No
 def check_examples(spec: JobSpec, step: int, examples: object,
                    batch_size: int) -> tuple[tuple[bytes, ...], str | None]:
     """B_`step`'s examples against the job's data commitment at the indices its data order
-    picks (SPEC §2.1). Returns (the examples' digests, or () if they cannot be hashed; the
-    problem, or None)."""
+    picks (SPEC §2.1). The data order is a permutation of the spec's data count, so `spec`
+    must have passed `protocol.job.create.load_job_program(spec, examples=False)` (which
+    gives `batch_size`): it refuses a count that is not the program's dataset's or is over
+    MAX_EXAMPLES. Returns (the examples' digests, or () if they cannot be hashed; the problem,
+    or None)."""
     if not isinstance(examples, list | tuple) or \
             not all(isinstance(e, ProvenExample) for e in examples):
         return (), "the examples of B_i must be a list of ProvenExample"

@@ -186,10 +186,18 @@ class Executor:
         out["step"] = torch.tensor(self.step_count, dtype=torch.int64)
         return out
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state(self, state: dict[str, torch.Tensor], step: int | None = None) -> None:
         """Make the live model, optimizer and schedule hold exactly `state` (bits, not just
         values). The schedule is rebuilt and stepped to `state`'s step, and must then give the
-        learning rates `state` holds. Raises ConfigError for a state that does not fit."""
+        learning rates `state` holds. `step` is the step counter `state` must hold (a peer's
+        S_t: checked before the schedule is stepped that far); None takes any.
+
+        A state may be a peer's (made up to hash to a signed h_t), so whatever does not fit is
+        one error: raises ConfigError for tensors the program's model, optimizer or schedule
+        lacks or holds in another shape or dtype, and for a step counter that is missing, not
+        one non-negative int64 or not `step`. After a ConfigError the executor holds no state
+        that can be trusted: load another before stepping."""
+        self.step_count = _step_counter(state, step)
         stray = [k for k in state if not k.startswith(("model.", "optim."))
                  and k not in ("step", SCHEDULE_KEY)]
         if stray or (SCHEDULE_KEY in state) != (self.scheduler is not None):
@@ -223,14 +231,14 @@ class Executor:
             if pname not in params:
                 raise ConfigError(f"optimizer state {key!r} names no parameter of the model")
             p = params[pname]
-            if value.dim() and value.shape != p.shape:
-                raise ConfigError(f"optimizer state {key!r} has shape {tuple(value.shape)}, "
-                                  f"parameter has {tuple(p.shape)}")
+            if value.dim() and (value.shape != p.shape or value.dtype != p.dtype):
+                raise ConfigError(f"optimizer state {key!r} is {value.dtype} "
+                                  f"{tuple(value.shape)}, its parameter {p.dtype} "
+                                  f"{tuple(p.shape)}")
             if skey == "step" and value.dim() == 0:  # torch.optim keeps step counters on the CPU
                 self.optimizer.state[p][skey] = value.clone()
             else:
                 self.optimizer.state[p][skey] = torch.empty_like(p).copy_(value)
-        self.step_count = int(state["step"])
         self._load_schedule(state)
 
     def _load_schedule(self, state: dict[str, torch.Tensor]) -> None:
@@ -243,8 +251,11 @@ class Executor:
         with _STEP_LOCK:
             advance(self.scheduler, self.step_count)
         rates, given = learning_rates(self.optimizer), state[SCHEDULE_KEY]
-        if given.dtype != rates.dtype or given.shape != rates.shape or \
-                not torch.equal(given, rates):
+        if given.dtype != rates.dtype or given.shape != rates.shape:
+            raise ConfigError(f"the state's learning rates are {given.dtype} "
+                              f"{tuple(given.shape)}, the schedule's {rates.dtype} "
+                              f"{tuple(rates.shape)}")
+        if not torch.equal(given, rates):
             raise ConfigError(f"the state's learning rates {given.tolist()} are not the "
                               f"schedule's at step {self.step_count} ({rates.tolist()})")
 
@@ -502,3 +513,21 @@ def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
         for flag in ("fused", "capturable", "differentiable"):
             if group.get(flag):
                 group[flag] = False
+
+
+def _step_counter(state: dict[str, torch.Tensor], step: int | None) -> int:
+    """The step counter `state` holds (SPEC §2 "State": S_t's step counter t, as `state()`
+    writes it: one int64), which must be `step` unless that is None. Raises ConfigError for a
+    missing counter, one of another dtype or shape, a negative one, or another step."""
+    counter = state.get("step")
+    if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int64 or counter.dim():
+        shown = "none" if counter is None else (
+            f"{counter.dtype} {tuple(counter.shape)}" if isinstance(counter, torch.Tensor)
+            else type(counter).__name__)
+        raise ConfigError(f"state does not fit the program: its step counter 'step' must be "
+                          f"one int64, it has {shown}")
+    value = int(counter)
+    if value < 0 or (step is not None and value != step):
+        raise ConfigError(f"state holds step counter {value}, not "
+                          f"{'a step' if step is None else step}")
+    return value

@@ -43,6 +43,10 @@ commits to them like to a built-in's (a Merkle root over per-example hashes) and
 by its relative path: the trainer and the auditor read it inside the folder their operator gives
 with `--data-dir` (`ovt job run|audit --data-dir` here), and refuse a job whose file is not
 there, leaves that folder or differs from the committed one. The arbiter never reads it.
+
+Whichever the examples, a node that loads a job's program with its examples checks them against
+the spec's data commitment (`require_committed_data`): a spec is a peer's, and a job on examples
+that are not the committed ones is one whose batches nobody could prove (SPEC §2.1, §5.3).
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ import torch
 from protocol.codec.dtypes import DTYPES
 from protocol.codec.fields import abbrev
 from protocol.codec.state import state_digest
-from protocol.commit.data import DataCommitment
 from protocol.engine.dataparallel import Recipe, WorkerGroup, require_world
 from protocol.engine.datasets import (
     TOKENS,
@@ -81,6 +84,10 @@ from protocol.errors import ConfigError, ProgramError, ResourceLimitError
 from protocol.job.spec import JobSpec, count, typed
 
 DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a peer's spec may ask for (1 GiB f32)
+# The most examples a job's data may hold. Every party builds each epoch's data order, a
+# permutation of them all (about 40 bytes an example while it is made: 10 GiB at this bound),
+# from the count in the spec, a peer's: the arbiter, which reads no data file, only from it.
+MAX_EXAMPLES = 2**28
 _JOB_KEYS = {"program", "preset", "steps", "seed", "init_seed", "checkpoint_interval",
              "commit_interval", "micro_batches", "init_from", "config", "precision", "data"}
 _PRECISION_KEYS = {"compute", "target", "rules"}
@@ -89,29 +96,30 @@ _DATA_KEYS = {"tokens": {"kind", "path", "dtype", "window"}, "tensors": {"kind",
 
 def load_job_program(spec: JobSpec, data_dir: Path | None = None, *,
                      examples: bool = True) -> TrainingProgram:
-    """Load the program `spec` names, after checking its source is the one committed to.
+    """Load the program `spec` names, after checking its source is the one committed to, with
+    the examples `spec.data` commits to (`require_committed_data`).
 
     A job with a data file trains on the file's examples instead of the program's own: the file
     is read inside `data_dir` (the folder this node's operator offers) and checked to have the
-    fields of the program's own examples and to be the file `spec.data` commits to. With
-    `examples=False` (the arbiter: it takes each batch's examples from the parties, checked
-    against `spec.data`) the file is not read, and the program's dataset cannot be read either.
+    fields of the program's own examples. With `examples=False` (the arbiter: it takes each
+    batch's examples from the parties, checked against `spec.data`) the file is not read, and
+    the program's dataset cannot be read either; only the commitment's count is checked.
 
     Raises ProgramError if the source differs (or the program cannot be loaded), ConfigError if
-    its config is not valid for it, or for a data file that `data_dir` is None for, that leaves
-    `data_dir`, is missing or unreadable, has other fields, or differs from the committed one.
+    its config is not valid for it, for a data file that `data_dir` is None for, that leaves
+    `data_dir`, is missing or unreadable or has other fields, and for examples that are not
+    the committed ones.
     """
     check_program_source(spec)
     program = load_program(spec.program, spec.config)
-    if spec.data_file is None:
-        return program
-    if not examples:
-        return dataclasses.replace(program,
-                                   dataset=AbsentExamples(spec.data_file, spec.data.count))
-    locate_data_file(spec, data_dir)
-    assert data_dir is not None  # locate_data_file refuses a job with a data file without one
-    program = with_data_file(program, spec.data_file, data_dir)
-    require_committed_data(spec.data_file, program, spec.data)
+    if spec.data_file is not None and not examples:
+        program = dataclasses.replace(program,
+                                      dataset=AbsentExamples(spec.data_file, spec.data.count))
+    elif spec.data_file is not None:
+        locate_data_file(spec, data_dir)
+        assert data_dir is not None  # locate_data_file refuses a job with a data file without one
+        program = with_data_file(program, spec.data_file, data_dir)
+    require_committed_data(spec, program, read=examples)
     return program
 
 
@@ -148,15 +156,42 @@ def with_data_file(program: TrainingProgram, data_file: DataFile,
     return dataclasses.replace(program, dataset=source)
 
 
-def require_committed_data(data_file: DataFile, program: TrainingProgram,
-                           committed: DataCommitment) -> None:
-    """The program's dataset (the examples of `data_file`) is the one `committed` commits to.
-    Raises ConfigError naming the file when it is not."""
+def require_committed_data(spec: JobSpec, program: TrainingProgram, *,
+                           read: bool = True) -> None:
+    """`program`'s dataset (its own or, for a job with a data file, the file's examples) is
+    the one `spec.data` commits to (SPEC §2.1): root and count. A party trains and replays only
+    on the committed examples, since they are what it must prove B_i against in a dispute
+    (SPEC §5.3): a job on other examples would leave the honest auditor's challenge unprovable.
+
+    The count comes first, cheaply: it must be the dataset's and at most MAX_EXAMPLES (every
+    party builds the data order from it). Then, with `read`, the root, from every example's
+    hash (a built-in's dataset is uncached: 0.01-0.6 s for the bundled presets); `read=False`
+    where the examples are not had (the arbiter's `AbsentExamples`) or not hashed here.
+
+    Raises ConfigError naming the dataset when it is not the committed one.
+    """
+    committed = spec.data
+    shown = spec.data_file.describe() if spec.data_file is not None else \
+        f"the dataset of program {spec.program!r}"
+    _require_example_count(committed.count, f"the data commitment of job "
+                                           f"{spec.job_id.hex()[:16]}…")
+    if len(program.dataset) != committed.count:
+        raise ConfigError(f"{shown} holds {len(program.dataset)} examples, but the job commits "
+                          f"to {committed.count}")
+    if not read:
+        return
     data, _ = commit_examples(program.dataset)
     if data != committed:
-        raise ConfigError(f"{data_file.describe()} differs from the one this job committed to "
-                          f"(its examples give root {abbrev(data.root)} over {data.count}, the "
-                          f"job's is {abbrev(committed.root)} over {committed.count})")
+        raise ConfigError(f"{shown} differs from the one this job committed to (its examples "
+                          f"give root {abbrev(data.root)} over {data.count}, the job's is "
+                          f"{abbrev(committed.root)} over {committed.count})")
+
+
+def _require_example_count(examples: int, shown: str) -> None:
+    """Refuse data of more than MAX_EXAMPLES examples; `shown` names it. Raises ConfigError."""
+    if examples > MAX_EXAMPLES:
+        raise ConfigError(f"{shown} counts {examples} examples; at most {MAX_EXAMPLES} are "
+                          f"taken (a data order is a permutation of them all)")
 
 
 def check_program_source(spec: JobSpec) -> None:
@@ -257,14 +292,16 @@ def build_job(*, program: str, config: dict, preset: str | None, steps: int, see
     portable init from `init_seed`.
 
     Raises ConfigError for a config the program rejects, a batch that does not split into
-    `micro_batches` equal parts, a bad data file (as `with_data_file`) or weights that do not
-    fit the model; ProgramError if the program cannot be loaded.
+    `micro_batches` equal parts, a bad data file (as `with_data_file`), more than MAX_EXAMPLES
+    examples or weights that do not fit the model; ProgramError if the program cannot be
+    loaded.
     """
     instance = load_program(program, config, preset)
     if data_file is not None:
         if data_dir is None:
             raise ConfigError(f"{data_file.describe()}: no folder given to read it in")
         instance = with_data_file(instance, data_file, data_dir)
+    _require_example_count(len(instance.dataset), "the job's data")
     ex = Executor(instance, seed=seed, policy=policy, profile=Profile("create"),
                   micro_batches=micro_batches)
     ex.init_state(init_seed, weights=init_from)

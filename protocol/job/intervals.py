@@ -17,8 +17,9 @@ The trainer's S_c only buys parallelism; an audit never depends on it. The first
 a replay starts where the auditor's store ends (S_0, or S_t after a crash), so its worker
 gets that state from the parent, as a file of the auditor's own (P workers replay, the parent
 only stitches: no more compute streams than processes); and when a worker's
-interval cannot start because the trainer refused its S_c or served one that is not its h_c,
-every earlier interval has been stitched, so the parent continues from its own S_c, step by
+interval cannot start because the trainer refused its S_c or served one that is not its h_c
+(or hashes to it but is no state of the program at step c: a made-up S_c), every earlier
+interval has been stitched, so the parent continues from its own S_c, step by
 step to the end as `replay_job` would, and the audit ends matched or diverged as a sequential
 one does. Only refusing S_0, leaves or rounding logs fails an audit, sequential or not.
 
@@ -54,7 +55,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, overload
 
 import safetensors.torch
 import torch
@@ -106,19 +107,45 @@ class Interval:
         return f"{self.first}-{self.last}"
 
 
-def plan_intervals(spec: JobSpec, after: int = 0, upto: int | None = None) -> list[Interval]:
+@dataclass(frozen=True)
+class Plan(Sequence[Interval]):
+    """Steps `first`..`last` cut after every multiple of `every`, in step order: the intervals
+    of `plan_intervals`, each computed when asked for, so that a plan takes the same memory
+    for any job (a peer's spec may ask for 2**40 steps, one interval each)."""
+
+    first: int
+    last: int
+    every: int
+
+    def __len__(self) -> int:
+        if self.first > self.last:
+            return 0
+        return (self.last - 1) // self.every - (self.first - 1) // self.every + 1
+
+    @overload
+    def __getitem__(self, index: int) -> Interval: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Interval]: ...
+
+    def __getitem__(self, index: int | slice) -> Interval | list[Interval]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        # the checkpoint the interval starts at (the first interval may start after it)
+        cut = ((self.first - 1) // self.every + range(len(self))[index]) * self.every
+        return Interval(max(cut + 1, self.first), min(cut + self.every, self.last))
+
+    def __contains__(self, interval: object) -> bool:
+        return isinstance(interval, Interval) and self.first <= interval.first <= self.last \
+            and self[(interval.first - 1) // self.every -
+                     (self.first - 1) // self.every] == interval
+
+
+def plan_intervals(spec: JobSpec, after: int = 0, upto: int | None = None) -> Plan:
     """Steps after+1..upto (default: the job's last) cut after every trainer checkpoint (each
     multiple of the checkpoint interval), in step order. An interval starts at a checkpoint
     unless it is the first and `after` is not one (an audit resumed mid-interval)."""
-    upto = spec.steps if upto is None else upto
-    every = spec.checkpoint_interval
-    plan: list[Interval] = []
-    first = after + 1
-    while first <= upto:
-        last = min((first - 1) // every * every + every, upto)
-        plan.append(Interval(first, last))
-        first = last + 1
-    return plan
+    return Plan(after + 1, spec.steps if upto is None else upto, spec.checkpoint_interval)
 
 
 def usable_cpus() -> int:
@@ -201,9 +228,11 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
     step is `protocol.job.run.replay_step`'s: the trainer's log checked against its leaf, then
     replayed; the interval stops at the first step whose log is rejected or whose state hash
     differs from the trainer's. An S_start the trainer does not serve (PeerError from
-    `source`) or that does not hash to h_start is no failure but an `unstarted` result: the
-    caller replays the interval from its own state instead. Raises what `source.log_bytes`,
-    the step and the filesystem raise."""
+    `source`), that does not hash to h_start, or that hashes to it but does not load into the
+    program as S_start (ConfigError from `Executor.load_state`: a made-up state a cheat
+    signed) is no failure but an `unstarted` result: the caller replays the interval from its
+    own state instead, which finds the divergence. Raises what `source.log_bytes`, the step
+    and the filesystem raise."""
     iv, trainer = task.interval, {leaf.step: leaf for leaf in task.trainer_leaves}
     expected = spec.h0 if iv.start == 0 else trainer[iv.start].state_hash
     if held != expected:
@@ -216,7 +245,12 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
             return IntervalResult(iv, (), None, None, task.segment, unstarted=(
                 f"the trainer's S_{iv.start} does not hash to h_{iv.start} of its own signed "
                 f"leaf {iv.start}"))
-        ex.load_state(state)
+        try:
+            ex.load_state(state, step=iv.start)
+        except ConfigError as err:
+            return IntervalResult(iv, (), None, None, task.segment, unstarted=(
+                f"the trainer's S_{iv.start} hashes to h_{iv.start} but is no state of this "
+                f"job's program at step {iv.start}: {err}"))
     shutil.rmtree(task.segment, ignore_errors=True)  # a crashed audit's stale files
     task.segment.mkdir(parents=True)
     leaves: list[Leaf] = []

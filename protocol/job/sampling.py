@@ -7,7 +7,8 @@ trainer's S_c checked against its signed h_c. The rule, for a fraction 0 < F <= 
 1. The plan: the job's intervals from step 1, I of them (`plan_intervals`).
 2. The size: s = max(1, min(I, floor(F·I + 1/2))): F·I rounded half up, at least one. A sample
    of all I intervals (F = 1, or F·I rounding up to I) is a full audit, which it runs instead:
-   it signs, and may report matched.
+   it signs, and may report matched. So is a sample of more than MAX_SAMPLED intervals, more
+   than the job's record of it (rule 7) may hold.
 3. What the draw depends on: R = job_id (32 bytes) ‖ u64be(n) ‖ root (32 bytes), from the
    trainer's signed commitment (SPEC §2 "Commitment") — nothing else in it: not its `time`,
    not its signature, not the signer's key, all of which the trainer may change freely by
@@ -22,6 +23,9 @@ trainer's S_c checked against its signed h_c. The rule, for a fraction 0 < F <= 
 6. The choice: interval i (0-based, in step order) gets the rank key SHA-256(ρ ‖ u64be(i));
    the s intervals with the smallest keys (ties, never seen, by i) are sampled, without
    replacement, each s-subset equally likely while SHA-256 behaves as a random function.
+   Every interval is ranked (I hashes), but only the s smallest keys are kept, and an
+   interval is computed from its index (`Plan`): the draw's memory is the sample's, not the
+   job's.
 7. One draw per job: the auditor records the sample, with the root it was drawn for, in the
    job's store (`SAMPLE_FILE`) before it fetches any leaf, state or log, and never draws again
    for that job. A later sampled audit of the same root replays the recorded sample, whatever
@@ -51,6 +55,7 @@ a leaf it only took from the trainer.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import shutil
 import struct
@@ -82,6 +87,8 @@ SECRET_DOMAIN = b"ovt-sample-secret-v2\x00"
 SEED_DOMAIN = b"ovt-sample-seed-v2\x00"
 SAMPLE_FILE = "sample.ovt"  # the job's one recorded sample (rule 7), in its store
 REPORTED_CHEATS = (1, 2, 5, 10)  # the cheating step counts a sample's report names
+RECORD_BYTES = 1 << 20  # the largest recorded sample `Sample.from_bytes` reads
+MAX_SAMPLED = 50_000  # intervals: a record of that many (19 bytes a pair at most) fits RECORD_BYTES
 
 
 def require_fraction(fraction: object) -> float:
@@ -114,11 +121,12 @@ def sample_seed(trainer: SignedCommitment, secret: bytes) -> bytes:
 
 
 def choose(seed: bytes, intervals: int, size: int) -> list[int]:
-    """Rule 6: the indexes (ascending) of the `size` of `intervals` intervals `seed` picks."""
+    """Rule 6: the indexes (ascending) of the `size` of `intervals` intervals `seed` picks,
+    holding `size` keys at a time (`nsmallest` is `sorted(...)[:size]`, keys never tie)."""
     def rank(i: int) -> tuple[bytes, int]:
         return hashlib.sha256(seed + struct.pack(">Q", i)).digest(), i
 
-    return sorted(sorted(range(intervals), key=rank)[:size])
+    return sorted(heapq.nsmallest(size, range(intervals), key=rank))
 
 
 def catch_probability(intervals: int, sampled: int, touched: int) -> Fraction:
@@ -189,7 +197,7 @@ class Sample:
     def from_bytes(cls, data: bytes) -> Sample:
         """Parse a recorded sample (SPEC §2, `decode_object`). Raises EncodingError."""
         return decode_object(data, cls.from_body, cls.to_bytes, what="recorded sample",
-                             max_bytes=1 << 20)
+                             max_bytes=RECORD_BYTES)
 
     @classmethod
     def from_body(cls, body: object) -> Sample:
@@ -229,11 +237,16 @@ def job_sample(store: JobStore, plan: Sequence[Interval], fraction: float, key: 
                trainer: SignedCommitment) -> Sample | str:
     """The job's sample (rule 7): the one recorded in its store, or, when there is none, one
     drawn now and recorded durably before anything else is fetched; or why this audit must be
-    full instead (a sample of every interval, another root than the recorded sample's, or a
-    recorded sample that is unreadable). Raises ConfigError for a bad F, OSError as the
-    filesystem does."""
-    if sample_size(fraction, len(plan)) == len(plan):
+    full instead (a sample of every interval or of more than MAX_SAMPLED, another root than
+    the recorded sample's, or a recorded sample that is unreadable). Raises ConfigError for a
+    bad F, OSError as the filesystem does."""
+    size = sample_size(fraction, len(plan))
+    if size == len(plan):
         return (f"a sample of F = {fraction:g} holds all {len(plan)} intervals: a full audit "
+                f"(rule 2)")
+    if size > MAX_SAMPLED:
+        return (f"a sample of F = {fraction:g} holds {size} of the job's {len(plan)} "
+                f"intervals, more than the {MAX_SAMPLED} its record may hold: a full audit "
                 f"(rule 2)")
     path, root = store.dir / SAMPLE_FILE, trainer.commitment.root
     try:
@@ -246,7 +259,7 @@ def job_sample(store: JobStore, plan: Sequence[Interval], fraction: float, key: 
         return (f"the sample recorded for this job in {path} is unreadable ({err}); a second "
                 f"draw could miss what the first would have caught, so this audit is full")
     if recorded.steps != store.spec.steps or recorded.intervals != len(plan) or \
-            not set(recorded.chosen) <= set(plan):
+            not all(iv in plan for iv in recorded.chosen):
         return (f"the sample recorded in {path} is not one of this job's plans, so this audit "
                 f"is full")
     if recorded.root != root:

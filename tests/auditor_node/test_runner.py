@@ -15,7 +15,7 @@ from auditor_node.server import AuditorNode
 from auditor_node.service import report
 from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
-from protocol.errors import PeerError
+from protocol.errors import PeerError, RefusedError
 from protocol.job.store import SPEC_FILE
 
 JOB = bytes(range(32))
@@ -97,6 +97,35 @@ def test_a_failed_audit_is_reported_and_retried(running):
     runner.submit(JOB, "127.0.0.1:7000")
     assert wait_finished(runner, JOB).state == "matched"
     assert len(script.calls) == 2
+
+
+def test_another_trainers_request_never_joins_nor_interrupts_the_audit(running):
+    """An audit is of a job at one trainer (review 26, finding 2): a request naming another
+    trainer is refused while the job's audit runs (which goes on) and once it is decided
+    (whose verdict its client reads by the job id alone)."""
+    script = Script(steps=3, delay_s=0.1)
+    runner = running(script)
+    runner.submit(JOB, "127.0.0.1:7000")
+    with pytest.raises(RefusedError, match=r"127\.0\.0\.1:7000: (queued|running).*fails"):
+        runner.submit(JOB, "127.0.0.1:7001")
+    status = wait_finished(runner, JOB)
+    assert (status.trainer, status.state) == ("127.0.0.1:7000", "matched")
+    with pytest.raises(RefusedError, match=r"127\.0\.0\.1:7000: matched"):
+        runner.submit(JOB, "127.0.0.1:7001")
+    assert runner.get(JOB) == status
+    assert script.calls == [("127.0.0.1:7000", JOB)]
+
+
+def test_another_trainers_request_takes_the_place_of_a_failed_audit(running, tmp_path):
+    script = Script("peer-error", store=True)
+    runner = running(script)
+    runner.submit(JOB, "127.0.0.1:7000")
+    assert wait_finished(runner, JOB).state == "failed"
+    script.outcome = "matched"
+    assert runner.submit(JOB, "127.0.0.1:7001").trainer == "127.0.0.1:7001"
+    assert wait_finished(runner, JOB).state == "matched"
+    assert script.calls == [("127.0.0.1:7000", JOB), ("127.0.0.1:7001", JOB)]
+    assert runner_module._read_request(tmp_path / JOB.hex() / REQUEST_FILE) == "127.0.0.1:7001"
 
 
 def test_a_bug_fails_one_audit_and_the_runner_goes_on(running, capsys):

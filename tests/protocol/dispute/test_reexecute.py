@@ -22,7 +22,13 @@ from protocol.codec.canonical import decode, encode
 from protocol.codec.roundinglog import RoundingLog, SiteLog, decode_log, encode_log, log_digest
 from protocol.codec.state import state_digest
 from protocol.commit.commitments import SignedCommitment
-from protocol.commit.data import ProvenExample, commit_dataset, example_digest, prove_examples
+from protocol.commit.data import (
+    DataCommitment,
+    ProvenExample,
+    commit_dataset,
+    example_digest,
+    prove_examples,
+)
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree
@@ -31,8 +37,8 @@ from protocol.dispute.reexecute import Reexecution, reexecute, withheld
 from protocol.engine.batches import batch_indices
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
-from protocol.errors import EncodingError
-from protocol.job.create import build_job, job_executor, load_job_program
+from protocol.errors import ConfigError, EncodingError
+from protocol.job.create import MAX_EXAMPLES, build_job, job_executor, load_job_program
 from protocol.job.run import run_job
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
@@ -126,6 +132,25 @@ def test_reexecution_does_not_modify_the_evidence(job):
     reexecute(job.spec, dispute_at(job, 3), prev_state, examples, log, program=_program(job),
               profile=ARBITER_PROFILE)
     assert (state_digest(prev_state), [example_digest(e.example) for e in examples]) == before
+
+
+@pytest.mark.parametrize("count, message", [
+    (65, "holds 64 examples, but the job commits to 65"),
+    (2**40, f"counts {2**40} examples; at most {MAX_EXAMPLES} are taken"),
+], ids=["other", "absurd"])
+def test_a_spec_whose_data_count_is_not_its_programs_is_refused_before_a_data_order(
+        job, monkeypatch, count, message):
+    """The arbiter builds the program from the spec first (`adjudicate`, `recheck_evidence`),
+    then checks B_i against the data commitment, making the data order, a permutation of the
+    spec's count: a count that is not the program's (or over MAX_EXAMPLES, for a data file's)
+    is refused there, a ConfigError and no verdict, before any permutation is made of it."""
+    prev_state, examples, log = evidence(job, 3)
+    spec = replace(job.spec, data=DataCommitment(job.spec.data.root, count))
+    monkeypatch.setattr("protocol.engine.rng.RandomStream.permutation",
+                        lambda *a: pytest.fail("a data order was made"))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        reexecute(spec, dispute_at(job, 3), prev_state, examples, log,
+                  program=load_job_program(spec, examples=False), profile=ARBITER_PROFILE)
 
 
 # ---- invalid-log: the trainer signed a log that cannot be right --------------------------------

@@ -143,6 +143,38 @@ def test_load_state_with_stray_optimizer_entry():
         ex.load_state(state)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.pop("step"), "step counter 'step' must be one int64, it has none"),
+    (lambda s: s.update(step=torch.tensor([2, 2])), r"one int64, it has torch.int64 \(2,\)"),
+    (lambda s: s.update(step=torch.tensor(2.0)), r"one int64, it has torch.float32 \(\)"),
+    (lambda s: s.update(step=torch.tensor(-1)), "holds step counter -1, not a step"),
+    (lambda s: s.update({k: v.double() for k, v in s.items() if k.endswith("momentum_buffer")}),
+     "momentum_buffer' is torch.float64 .*, its parameter torch.float32"),
+], ids=["no-step", "step-vector", "step-float", "step-negative", "optim-dtype"])
+def test_a_state_that_does_not_fit_is_a_config_error(change, message):
+    """A peer's state is whatever it made up to hash to its signed h_t: every way it may not
+    fit the program is the one ConfigError (a missing counter was a bare KeyError)."""
+    ex = executor("image-cnn")
+    ex.init_state(1)
+    ex.step()
+    state = ex.state()
+    change(state)
+    with pytest.raises(ConfigError, match=message):
+        executor("image-cnn").load_state(state)
+
+
+def test_load_state_takes_the_step_counter_it_is_told():
+    ex = executor("image-cnn")
+    ex.init_state(1)
+    ex.step()
+    state = ex.state()
+    loaded = executor("image-cnn")
+    loaded.load_state(state, step=1)
+    assert loaded.step_count == 1
+    with pytest.raises(ConfigError, match="holds step counter 1, not 2"):
+        loaded.load_state(state, step=2)
+
+
 def test_init_state_resets_the_optimizer():
     ex = executor("image-cnn")
     ex.init_state(1)

@@ -174,6 +174,25 @@ def test_a_state_whose_rates_are_not_the_schedules_is_refused():
         executor(prog).load_state({**state, "extra.thing": torch.zeros(1)})
 
 
+def test_a_peers_state_is_refused_before_its_schedule_is_stepped_to_it(monkeypatch):
+    """A made-up S_c may claim step 2**62: with the step it must be (a replay's c), it is
+    refused before the schedule is advanced that many times; rates of another shape are
+    refused without printing them."""
+    prog = program(make_scheduler=SCHEDULES["warmup-cosine"])
+    ex = executor(prog)
+    ex.init_state(1)
+    ex.step()
+    state = ex.state()
+    forged = {**state, "step": torch.tensor(2**62)}
+    loaded = executor(prog)
+    monkeypatch.setattr("protocol.engine.executor.advance", lambda *a: pytest.fail("stepped"))
+    with pytest.raises(ConfigError, match=f"holds step counter {2**62}, not 1"):
+        loaded.load_state(forged, step=1)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"rates are torch.float64 \(1000000,\), the "):
+        loaded.load_state({**state, SCHEDULE_KEY: torch.zeros(10**6, dtype=torch.float64)})
+
+
 def test_the_rates_follow_the_documented_warmup_and_cosine():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = make_scheduler(warmup_cosine(3, 4, 0.1), opt)

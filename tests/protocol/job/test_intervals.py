@@ -8,16 +8,21 @@ a stop that takes a poll, not an interval; at most as many processes as CPUs."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import threading
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
+from protocol.codec.state import state_digest
 from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import ConfigError, PeerError, StoreError, WorkerError
@@ -154,6 +159,28 @@ def test_the_plan_cuts_after_every_checkpoint(steps, every, after, upto, plan):
     assert all(iv.start == iv.first - 1 for iv in intervals)
 
 
+def test_a_plan_takes_no_memory_per_interval():
+    """Review 26, finding 5: the plan was a list of every interval, so a peer's spec of 2**40
+    one-step intervals exhausted a sampled auditor's memory before it fetched anything."""
+    spec = _spec(10**5, 1)
+    tracemalloc.start()
+    try:
+        plan = plan_intervals(spec)
+        assert len(plan) == 10**5 and plan[-1] == Interval(10**5, 10**5)
+        assert tracemalloc.get_traced_memory()[1] < 10_000
+    finally:
+        tracemalloc.stop()
+    huge = plan_intervals(_spec(2**40, 3), after=4)  # 2**40 = 1 (mod 3): a last 1-step interval
+    assert len(huge) == (2**40 - 1) // 3
+    assert list(itertools.islice(huge, 3)) == [Interval(5, 6), Interval(7, 9), Interval(10, 12)]
+    assert huge[-2:] == [Interval(2**40 - 3, 2**40 - 1), Interval(2**40, 2**40)]
+    assert Interval(2**40 - 3, 2**40 - 1) in huge and Interval(7, 9) in huge
+    assert Interval(4, 6) not in huge and Interval(7, 8) not in huge
+    assert Interval(2**40 - 3, 2**40) not in huge and (7, 9) not in huge
+    with pytest.raises(IndexError):
+        huge[len(huge)]
+
+
 @two_cpus
 def test_two_worker_processes_stitch_replay_jobs_leaves_bit_for_bit(trainer, tmp_path):
     key = KeyPair.generate()
@@ -191,6 +218,48 @@ def test_an_interval_whose_trainer_state_is_wrong_or_refused_does_not_start(trai
     result = replay_interval(trainer.spec, task, source, job_executor(trainer.spec, AUDITOR))
     assert (result.unstarted, result.leaves, result.divergent_step) == (why, (), None)
     assert not task.segment.exists()  # nothing was replayed
+
+
+class MadeUp:
+    """A StateSource whose S_4 is `state`, over the trainer's store otherwise."""
+
+    def __init__(self, trainer: JobStore, state) -> None:
+        self.trainer, self.made_up = trainer, state
+
+    def state(self, step):
+        return self.made_up if step == 4 else self.trainer.checkpoint(step)
+
+    def log_bytes(self, step):
+        return self.trainer.log_bytes(step)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda s: s.pop("step"), "its step counter 'step' must be one int64, it has none"),
+    (lambda s: s.update({"extra.x": torch.zeros(1)}), "unexpected ['extra.x']"),
+    (lambda s: s.update(step=torch.tensor(10**12)), "holds step counter 1000000000000, not 4"),
+], ids=["no-step", "stray", "other-step"])
+def test_a_made_up_trainer_state_that_hashes_to_its_leaf_but_does_not_load_does_not_start(
+        trainer, tmp_path, change, why):
+    """A cheat signs a leaf 4 whose S_4 hashes to it but is no S_4 of the program: the interval
+    does not start (the caller replays it from its own state, which finds the cheat) instead
+    of failing the audit, as loading it raised (a bare KeyError without a step counter)."""
+    made_up = trainer.checkpoint(4)
+    change(made_up)
+    auditor = JobStore(tmp_path, trainer.spec)
+    task = make_task(auditor, StoreSource(trainer), Interval(5, 8))
+    leaf4 = task.trainer_leaves[0]
+    task = dataclasses.replace(task, trainer_leaves=(
+        Leaf(4, state_digest(made_up), leaf4.log_hash), *task.trainer_leaves[1:]))
+    result = replay_interval(trainer.spec, task, MadeUp(trainer, made_up),
+                             job_executor(trainer.spec, AUDITOR))
+    assert result.unstarted is not None and (result.leaves, result.divergent_step) == ((), None)
+    assert result.unstarted.startswith("the trainer's S_4 hashes to h_4 but is no state of "
+                                       "this job's program at step 4: ")
+    assert why in result.unstarted
+    assert not task.segment.exists()
 
 
 @two_cpus

@@ -5,7 +5,11 @@ against exact enumeration, and the report, which never claims to have verified a
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
+import struct
+import tracemalloc
 from fractions import Fraction
 
 import pytest
@@ -15,8 +19,10 @@ from protocol.commit.keys import SIGNATURE_DOMAIN, KeyPair, verify_signature
 from protocol.engine.precision import PrecisionPolicy
 from protocol.errors import ConfigError, EncodingError
 from protocol.job.create import build_job
-from protocol.job.intervals import Interval, plan_intervals
+from protocol.job.intervals import Interval, Plan, plan_intervals
 from protocol.job.sampling import (
+    MAX_SAMPLED,
+    RECORD_BYTES,
     SAMPLE_FILE,
     SECRET_DOMAIN,
     Sample,
@@ -27,6 +33,7 @@ from protocol.job.sampling import (
     job_sample,
     require_fraction,
     sample_secret,
+    sample_seed,
     sample_size,
 )
 from protocol.job.store import JobStore
@@ -66,6 +73,34 @@ def test_choose_picks_size_distinct_indexes_in_order_and_is_a_function_of_its_se
     assert choose(b"seed", 100, 25) == first
     assert choose(b"other seed", 100, 25) != first
     assert choose(b"seed", 100, 100) == list(range(100))
+
+
+def _rule_6(seed: bytes, intervals: int, size: int) -> list[int]:
+    """Rule 6 as the module docstring words it: every interval's rank key, the smallest kept."""
+    keys = {i: hashlib.sha256(seed + struct.pack(">Q", i)).digest() for i in range(intervals)}
+    return sorted(sorted(range(intervals), key=lambda i: (keys[i], i))[:size])
+
+
+@pytest.mark.parametrize("intervals, size", [(1, 1), (40, 10), (1000, 1), (1000, 999),
+                                             (1000, 1000)])
+def test_choose_is_rule_6_bit_for_bit(intervals, size):
+    for seed in (b"seed", bytes(32), bytes(range(32))):
+        assert choose(seed, intervals, size) == _rule_6(seed, intervals, size)
+
+
+def test_a_draw_holds_the_samples_keys_not_the_jobs():
+    """Review 26, finding 5: the draw sorted every interval's rank key (and the plan held
+    every interval), so a sampled auditor's memory grew with the job's steps, not its sample."""
+    auditor, signed = KeyPair.generate(), _signed(n=10**5)
+    plan = Plan(1, 10**5, 1)
+    tracemalloc.start()
+    try:
+        drawn = draw_sample(plan, 1e-4, auditor, signed)
+        assert tracemalloc.get_traced_memory()[1] < 100_000
+    finally:
+        tracemalloc.stop()
+    seed = sample_seed(signed, sample_secret(auditor, signed))
+    assert drawn.chosen == tuple(Interval(i + 1, i + 1) for i in _rule_6(seed, 10**5, 10))
 
 
 def test_the_draw_depends_on_the_key_and_the_job_id_n_and_root_only():
@@ -199,6 +234,27 @@ def test_a_damaged_recorded_sample_gets_a_full_audit_not_a_second_draw(store, da
     why = job_sample(store, plan_intervals(store.spec), 0.25, KeyPair.generate(), _for(store))
     assert isinstance(why, str) and message in why and why.endswith("this audit is full")
     assert (store.dir / SAMPLE_FILE).read_bytes() == damage
+
+
+def test_a_record_of_max_sampled_intervals_is_readable():
+    pairs = tuple(Interval(2**62 + 2 * i, 2**62 + 2 * i + 1) for i in range(MAX_SAMPLED))
+    sample = Sample(ROOT, 2**63 - 1, 2**63 - 1, pairs)  # every count a 9-byte msgpack uint
+    assert len(sample.to_bytes()) <= RECORD_BYTES
+    assert Sample.from_bytes(sample.to_bytes()) == sample
+
+
+def test_a_sample_larger_than_its_record_may_hold_is_a_full_audit(store, tmp_path):
+    """Review 26, finding 5: a job's sample of F = 0.25 holds a quarter of its intervals; of a
+    peer's 2**40 intervals that is no sample an auditor can hold or record (rule 7)."""
+    for steps in (4 * MAX_SAMPLED + 4, 2**40):
+        spec = dataclasses.replace(store.spec, steps=steps, checkpoint_interval=1)
+        job = JobStore(tmp_path / str(steps), spec)
+        why = job_sample(job, plan_intervals(spec), 0.25, KeyPair.generate(),
+                         _signed(job_id=spec.job_id, n=steps))
+        assert why == (f"a sample of F = 0.25 holds {steps // 4} of the job's {steps} "
+                       f"intervals, more than the {MAX_SAMPLED} its record may hold: a full "
+                       f"audit (rule 2)")
+        assert not (job.dir / SAMPLE_FILE).exists()
 
 
 @pytest.mark.parametrize("fraction", [1, 0.99])

@@ -1,0 +1,79 @@
+"""Resuming an audit (`begin_replay`) compares whole leaves with the trainer's: a stored step
+replayed with another log than the trainer's ℓ_t is no divergence to challenge, but a replay of
+another commitment to the job (review 26, finding 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+
+from protocol.commit.keys import KeyPair
+from protocol.commit.leaf import Leaf
+from protocol.engine.precision import PrecisionPolicy
+from protocol.engine.profiles import Profile
+from protocol.errors import RefusedError
+from protocol.job.create import build_job
+from protocol.job.run import STATE_DIFFERS, StoreSource, begin_replay, run_job
+from protocol.job.store import JobStore
+
+TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    spec, state0 = build_job(program="image-cnn", config=TINY, preset=None, steps=STEPS,
+                             seed=0, init_seed=1, policy=PrecisionPolicy(),
+                             checkpoint_interval=2, commit_interval=2)
+    root = tmp_path_factory.mktemp("trainer")
+    store = JobStore(root, spec)
+    store.put_initial(state0)
+    run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-1t"))
+    return store
+
+
+class Altered(StoreSource):
+    """The trainer's store, with leaf `step` served as `change` makes it."""
+
+    def __init__(self, store, step, **change):
+        super().__init__(store)
+        self.step, self.change = step, change
+
+    def leaf(self, step: int) -> Leaf:
+        leaf = super().leaf(step)
+        return dataclasses.replace(leaf, **self.change) if step == self.step else leaf
+
+
+@pytest.fixture
+def replayed(trained, tmp_path):
+    """An auditor's store that replayed the honest trainer's leaves 0..STEPS (a copy: the same
+    leaves), as a failed audit leaves it."""
+    shutil.copytree(trained.dir, tmp_path / trained.dir.name)
+    return JobStore(tmp_path, trained.spec)
+
+
+def test_a_stored_step_of_another_log_is_refused_not_challenged(trained, replayed):
+    """The decoy's replay: the same h_3, another ℓ_3 than this trainer's. A state-only check
+    resumed it as agreeing; a challenge on it would lose before the arbiter."""
+    with pytest.raises(RefusedError, match="step 3 .* another rounding log"):
+        begin_replay(replayed, Altered(trained, 3, log_hash=b"\x07" * 32))
+
+
+def test_a_stored_step_of_the_trainers_log_and_another_state_is_its_divergence(trained,
+                                                                               replayed):
+    _, _, divergent, reason = begin_replay(replayed, Altered(trained, 3,
+                                                            state_hash=b"\x07" * 32))
+    assert (divergent, reason) == (3, STATE_DIFFERS)
+
+
+def test_a_trainer_leaf_0_of_another_log_is_a_divergence_at_0(trained, replayed):
+    """Leaf 0 is (0, h_0, the empty log's hash) by rule: the trainer's fault, challenged."""
+    _, _, divergent, _ = begin_replay(replayed, Altered(trained, 0, log_hash=b"\x07" * 32))
+    assert divergent == 0
+
+
+def test_the_trainers_own_leaves_resume(trained, replayed):
+    _, last, divergent, reason = begin_replay(replayed, StoreSource(trained))
+    assert (last, divergent, reason) == (STEPS, None, None)
