@@ -233,6 +233,9 @@ def _fetch_spec(job_id: bytes, channels) -> JobSpec:
 
 
 def _challenge(args, channel: grpc.Channel, job_id: bytes) -> Challenge:
+    """The challenge to adjudicate: `--challenge`'s file, or the auditor's, once its report
+    says it audited the job at `--trainer` (an auditor node audits a job at one trainer, and
+    serves that audit's challenge by the job's id alone). Raises ConfigError."""
     if args.challenge is not None:
         try:
             data = args.challenge.read_bytes()
@@ -241,12 +244,19 @@ def _challenge(args, channel: grpc.Channel, job_id: bytes) -> Challenge:
                 from None
         where = str(args.challenge)
     else:
+        stub, ref = ovt_pb2_grpc.AuditorStub(channel), ovt_pb2.JobRef(job_id=job_id)
         try:
-            data = ovt_pb2_grpc.AuditorStub(channel).GetChallenge(
-                ovt_pb2.JobRef(job_id=job_id), timeout=CALL_TIMEOUT_S).challenge
+            audited = stub.GetAudit(ref, timeout=CALL_TIMEOUT_S).trainer
+            data = stub.GetChallenge(ref, timeout=CALL_TIMEOUT_S).challenge
         except grpc.RpcError as err:
             raise ConfigError(f"the auditor has no challenge to adjudicate: "
                               f"{err.code().name}: {err.details()}") from None
+        if audited != args.trainer:
+            # Its challenge is about the commitment of the trainer it audited, which the
+            # trainer at --trainer never signed: the arbiter would rule it a bad challenge.
+            raise ConfigError(f"the auditor audited job {job_id.hex()} at trainer "
+                              f"{audited!r}, not at --trainer {args.trainer!r}; if both name "
+                              f"the same node, give the challenge with --challenge FILE")
         where = "the auditor's challenge"
     try:
         challenge = Challenge.from_bytes(bytes(data))

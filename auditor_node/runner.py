@@ -3,7 +3,8 @@
 `AuditRunner.submit` starts an audit, or joins the one already queued, running or decided for
 that job at the same trainer (a failed audit is started again, and so is a sampled one when this
 runner audits in full: "sampled, not verified" is no verdict a full audit may join); a request
-naming another trainer is refused unless the job's audit failed (see `submit`). Each status
+naming another trainer is refused, unless the job's audit failed before its store was made
+(see `submit`). Each status
 change bumps the status's `version`, so `wait` can block until there is something new; the
 queue, its worker thread and the wake-ups are the daemons' shared `protocol.job.queue.JobQueue`.
 
@@ -147,24 +148,29 @@ class AuditRunner:
         under way or decided (a failed one is queued again, and a sampled one when this runner
         audits in full).
 
-        An audit is of a job at one trainer: a request naming another trainer never joins it,
-        since its verdict is about another commitment. The wire names an audit by its job alone
-        (GetAudit, GetChallenge, and the auditor's Claims an arbiter reads), so this node holds
-        one audit per job, and another trainer's audit takes the job's place only after a
-        failed one (which decided nothing; its replay is resumed only as far as its leaves are
-        the new trainer's, `protocol.job.run.begin_replay`). A decided audit is never replaced:
-        its client, reading it by job id, would be told another trainer's verdict, and could
-        take another trainer's challenge to an arbiter, who would rule it bad and blame this
-        auditor. Raises RefusedError for another trainer while the job's audit is queued,
-        running (it is not interrupted for another peer) or decided, ResourceLimitError when
-        MAX_PENDING are waiting."""
+        An audit is of a job at one trainer, and the wire names an audit by its job alone
+        (GetAudit, WatchAudit, GetChallenge, and the auditor's Claims an arbiter questions), so
+        this node audits each job at one trainer and refuses any other: were another's request
+        to take the job's place, even after a failed audit, whoever reads the job's audit (the
+        client who asked for the first trainer) would be told another trainer's verdict, and
+        could take another trainer's challenge to an arbiter, who would rule it bad and blame
+        this auditor. The one exception is an audit that failed before the job's store was
+        made (no spec fetched: an unreachable trainer, say): it holds nothing, and keeping
+        the job for its address would let anyone shut a job out of this node with one request
+        to a dead address. Who reads an audit can tell whose it is (the report names its
+        trainer, which the arbiter checks). (A trainer's own commitment to the job may change
+        between its audits: a replay made with another commitment's logs is replayed again,
+        `protocol.job.run.begin_replay`.) Raises RefusedError for another trainer,
+        ResourceLimitError when MAX_PENDING are waiting."""
         with self._queue.lock:
             current = self._queue.get(job_id)
-            if current is not None and current.trainer != trainer and current.state != FAILED:
+            if current is not None and current.trainer != trainer and \
+                    job_id not in self._unstored_failures:
                 raise RefusedError(
-                    f"job {job_id.hex()} is audited here at another trainer "
-                    f"({current.trainer}: {current.state}); this node holds one audit per job"
-                    + ("" if current.finished else ", ask again if that audit fails"))
+                    f"job {job_id.hex()} is audited here at trainer {current.trainer} "
+                    f"({current.state}); this node audits a job at one trainer only (to audit "
+                    f"it at another, remove {self.store_root / job_id.hex()} while the "
+                    f"auditor is stopped)")
             if current is not None and current.state != FAILED and not (
                     current.state == SAMPLED and self.sample is None):
                 return current
@@ -172,8 +178,8 @@ class AuditRunner:
             self._unstored_failures.pop(job_id, None)  # queued again: not a failure to drop
             job_dir = self.store_root / job_id.hex()
             job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / RECORD_FILE).unlink(missing_ok=True)
             atomic_write(job_dir / REQUEST_FILE, _request_bytes(trainer))
+            (job_dir / RECORD_FILE).unlink(missing_ok=True)
             version = current.version + 1 if current else 0
             return self._queue.enqueue(job_id, AuditStatus(job_id, trainer, QUEUED,
                                                            version=version))

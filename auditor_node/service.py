@@ -24,8 +24,9 @@ WATCH_POLL_S = 1.0  # how often a watcher notices a cancelled client or a stoppi
 
 
 def report(status: AuditStatus) -> ovt_pb2.AuditReport:
-    """The wire form of a status (the auditor's signed commitment once it has one); the
-    reason is the record's, then its note (why it replayed more than its sample) if any."""
+    """The wire form of a status (the auditor's signed commitment once it has one, and the
+    trainer audited: a node audits a job at one trainer, `AuditRunner.submit`); the reason is
+    the record's, then its note (why it replayed more than its sample) if any."""
     record = status.record
     signed = record.auditor_commitment if record else None
     divergent = record.divergent_step if record else None
@@ -34,7 +35,7 @@ def report(status: AuditStatus) -> ovt_pb2.AuditReport:
         job_id=status.job_id, state=status.state, step=status.step, steps=status.steps,
         divergent_step=divergent or 0, reason=reason,
         commitment=signed.to_bytes() if signed else b"",
-        error=(record.error or "") if record else "")
+        error=(record.error or "") if record else "", trainer=status.trainer)
 
 
 @rpc_errors

@@ -108,11 +108,15 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
         self._lock = threading.Lock()
         self._data_lock = threading.Lock()
 
-    def _tree(self, store: JobStore, n: int) -> MerkleTree:
-        """The tree over leaves 0..n (n: the latest commitment's), built once per commitment."""
+    def _tree(self, store: JobStore, signed: SignedCommitment) -> MerkleTree:
+        """The tree of the latest commitment `signed`, built once per commitment: known by its
+        root, not its size alone, since an auditor's store may be cut back and replayed again
+        to as many steps (`JobStore.truncate`), when a cached tree of that size would prove
+        leaves under a root no longer served."""
+        n = signed.commitment.n
         with self._lock:
             tree = self._trees.get(store.spec.job_id)
-            if tree is None or tree.size != n + 1:
+            if tree is None or tree.size != n + 1 or tree.root != signed.commitment.root:
                 tree = self._trees[store.spec.job_id] = store.tree(n)
             return tree
 
@@ -151,23 +155,25 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
 
     def GetLeaf(self, request, context):
         store = self._store(request.job_id)
-        n = self._commitment(store, 0).commitment.n
+        signed = self._commitment(store, 0)
+        n = signed.commitment.n
         if request.step > n:
             raise OutOfRangeError(f"step {request.step} is beyond the committed {n} steps")
-        reply = self._leaf_reply(store, request.step, self._tree(store, n))
+        reply = self._leaf_reply(store, request.step, self._tree(store, signed))
         if self.leaf_fault is not None:
             reply = self.leaf_fault(request.step, reply, context)
         return reply
 
     def GetLeaves(self, request, context):
         store = self._store(request.job_id)
-        n = self._commitment(store, 0).commitment.n
+        signed = self._commitment(store, 0)
+        n = signed.commitment.n
         if request.first > request.last or request.last > n or \
                 request.last - request.first >= MAX_RANGE:
             raise OutOfRangeError(
                    f"bad range {request.first}..{request.last} (committed steps 0..{n}, at "
                    f"most {MAX_RANGE} per call)")
-        tree = self._tree(store, n)
+        tree = self._tree(store, signed)
         for step in range(request.first, request.last + 1):
             yield self._leaf_reply(store, step, tree)
 

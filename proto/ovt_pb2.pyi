@@ -143,7 +143,7 @@ class AuditRequest(_message.Message):
     def __init__(self, trainer_address: _Optional[str] = ..., job_id: _Optional[bytes] = ...) -> None: ...
 
 class AuditReport(_message.Message):
-    __slots__ = ("job_id", "state", "step", "steps", "divergent_step", "reason", "commitment", "error")
+    __slots__ = ("job_id", "state", "step", "steps", "divergent_step", "reason", "commitment", "error", "trainer")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class AuditReport(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
     job_id: bytes
     state: str
     step: int
@@ -160,7 +161,8 @@ class AuditReport(_message.Message):
     reason: str
     commitment: bytes
     error: str
-    def __init__(self, job_id: _Optional[bytes] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ..., commitment: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    trainer: str
+    def __init__(self, job_id: _Optional[bytes] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., divergent_step: _Optional[int] = ..., reason: _Optional[str] = ..., commitment: _Optional[bytes] = ..., error: _Optional[str] = ..., trainer: _Optional[str] = ...) -> None: ...
 
 class ChallengeReply(_message.Message):
     __slots__ = ("challenge",)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.optimizer import _get_scalar_dtype
 
 from protocol.codec.roundinglog import RoundingLog
 from protocol.engine.batches import batch_indices
@@ -194,9 +195,12 @@ class Executor:
 
         A state may be a peer's (made up to hash to a signed h_t), so whatever does not fit is
         one error: raises ConfigError for tensors the program's model, optimizer or schedule
-        lacks or holds in another shape or dtype, and for a step counter that is missing, not
-        one non-negative int64 or not `step`. After a ConfigError the executor holds no state
-        that can be trusted: load another before stepping."""
+        lacks or holds in another shape or dtype (an optimizer's step counter included), and
+        for a step counter that is missing, not one non-negative int64 or not `step`. After a
+        ConfigError the executor holds no state that can be trusted: load another before
+        stepping. A state may still fail its first step (an optimizer state that lacks a
+        buffer): the caller of a peer's state decides what that means
+        (`protocol.job.intervals.replay_interval`)."""
         self.step_count = _step_counter(state, step)
         stray = [k for k in state if not k.startswith(("model.", "optim."))
                  and k not in ("step", SCHEDULE_KEY)]
@@ -231,14 +235,17 @@ class Executor:
             if pname not in params:
                 raise ConfigError(f"optimizer state {key!r} names no parameter of the model")
             p = params[pname]
-            if value.dim() and (value.shape != p.shape or value.dtype != p.dtype):
+            # torch.optim keeps a parameter's step counter as a CPU scalar of its own dtype
+            # (float32 unless torch's default dtype is float64), every other state like p
+            counter = skey == "step"
+            shape, dtype = (torch.Size(), _get_scalar_dtype()) if counter else (p.shape, p.dtype)
+            if value.shape != shape or value.dtype != dtype:
+                like = f"a step counter torch.optim keeps as {dtype} ()" if counter else \
+                    f"its parameter {p.dtype} {tuple(p.shape)}"
                 raise ConfigError(f"optimizer state {key!r} is {value.dtype} "
-                                  f"{tuple(value.shape)}, its parameter {p.dtype} "
-                                  f"{tuple(p.shape)}")
-            if skey == "step" and value.dim() == 0:  # torch.optim keeps step counters on the CPU
-                self.optimizer.state[p][skey] = value.clone()
-            else:
-                self.optimizer.state[p][skey] = torch.empty_like(p).copy_(value)
+                                  f"{tuple(value.shape)}, {like}")
+            self.optimizer.state[p][skey] = value.clone() if counter else \
+                torch.empty_like(p).copy_(value)
         self._load_schedule(state)
 
     def _load_schedule(self, state: dict[str, torch.Tensor]) -> None:

@@ -198,8 +198,9 @@ class IntervalResult:
     """An interval as replayed: the auditor's leaves from `first` on (ending at the first
     divergent step, included when it was replayed: a rejected log is not), and that step and
     its reason (None: every leaf matched the trainer's). `unstarted`: why the interval could
-    not start — the trainer did not serve S_start, or served one that is not its h_start —
-    with no leaves (None: it started)."""
+    not start — the trainer did not serve S_start, served one that is not its h_start, or one
+    that hashes to it but does not load or run its first step (`replay_interval`) — with no
+    leaves (None: it started)."""
 
     interval: Interval
     leaves: tuple[Leaf, ...]
@@ -227,14 +228,22 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
     trainer's h_start (S_0: the job's h_0), the trainer is not asked for S_start again. Each
     step is `protocol.job.run.replay_step`'s: the trainer's log checked against its leaf, then
     replayed; the interval stops at the first step whose log is rejected or whose state hash
-    differs from the trainer's. An S_start the trainer does not serve (PeerError from
-    `source`), that does not hash to h_start, or that hashes to it but does not load into the
-    program as S_start (ConfigError from `Executor.load_state`: a made-up state a cheat
-    signed) is no failure but an `unstarted` result: the caller replays the interval from its
-    own state instead, which finds the divergence. Raises what `source.log_bytes`, the step
-    and the filesystem raise."""
+    differs from the trainer's.
+
+    An S_start the trainer does not serve (PeerError from `source`) or that does not hash to
+    h_start is no failure but an `unstarted` result: the caller replays the interval from its
+    own state instead, which finds the divergence. So is one that hashes to h_start but is no
+    state of the program at step `start`, a made-up state a cheat signed: the trainer's
+    S_start is untrusted until the interval's first step has run from it, and any Exception
+    raised by loading it (ConfigError from `Executor.load_state`) or by that step (a bare
+    KeyError from torch's optimizer for a state that lacks a buffer) makes the interval
+    unstarted. Raises what the auditor's own start state (`held`, `task.own_start`) and the
+    steps after the first raise, and what `source.log_bytes` and the filesystem raise."""
     iv, trainer = task.interval, {leaf.step: leaf for leaf in task.trainer_leaves}
     expected = spec.h0 if iv.start == 0 else trainer[iv.start].state_hash
+    # the trainer's S_start, loaded with the interval's first step (None: `ex` holds the
+    # auditor's own, or the first step has run)
+    untrusted: dict[str, torch.Tensor] | None = None
     if held != expected:
         try:
             state = source.state(iv.start) if task.own_start is None else \
@@ -245,17 +254,27 @@ def replay_interval(spec: JobSpec, task: IntervalTask, source: StateSource, ex: 
             return IntervalResult(iv, (), None, None, task.segment, unstarted=(
                 f"the trainer's S_{iv.start} does not hash to h_{iv.start} of its own signed "
                 f"leaf {iv.start}"))
-        try:
+        if task.own_start is None:
+            untrusted = state
+        else:
             ex.load_state(state, step=iv.start)
-        except ConfigError as err:
-            return IntervalResult(iv, (), None, None, task.segment, unstarted=(
-                f"the trainer's S_{iv.start} hashes to h_{iv.start} but is no state of this "
-                f"job's program at step {iv.start}: {err}"))
     shutil.rmtree(task.segment, ignore_errors=True)  # a crashed audit's stale files
     task.segment.mkdir(parents=True)
     leaves: list[Leaf] = []
     for t in iv.steps:
-        replayed = replay_step(spec, ex, t, trainer[t], source.log_bytes(t), hooks)
+        log = source.log_bytes(t)
+        try:
+            if untrusted is not None:
+                ex.load_state(untrusted, step=iv.start)
+            replayed = replay_step(spec, ex, t, trainer[t], log, hooks)
+        except Exception as err:
+            if untrusted is None:
+                raise
+            shutil.rmtree(task.segment, ignore_errors=True)
+            return IntervalResult(iv, (), None, None, task.segment, unstarted=(
+                f"the trainer's S_{iv.start} hashes to h_{iv.start} but is no state of this "
+                f"job's program at step {iv.start}: {type(err).__name__}: {err}"))
+        untrusted = None  # the first step ran from it: what follows is the auditor's own
         if isinstance(replayed, str):
             return IntervalResult(iv, tuple(leaves), t, replayed, task.segment)
         (task.segment / _log_name(t)).write_bytes(replayed.log)

@@ -38,7 +38,6 @@ from protocol.errors import (
     LogMismatchError,
     LogViolationError,
     ProofError,
-    RefusedError,
     StoreError,
 )
 from protocol.job.create import job_executor, job_workers
@@ -233,9 +232,9 @@ def begin_replay(store: JobStore, source: ClaimSource
     """Start or resume an audit: the trainer's verified commitment over the whole job, the
     last step in the auditor's store (S_0 fetched, checked against h_0 and stored first when the
     store is empty), and the first stored step that disagrees with the trainer (or None) with
-    its reason. Raises SignatureError for a commitment that does not verify, StoreError for an
-    S_0 that does not hash to h_0, RefusedError for a stored step replayed with another log
-    than the trainer's (`_first_mismatch`), and what `source` raises."""
+    its reason; a stored replay of another commitment's logs is cut back first
+    (`_first_mismatch`). Raises SignatureError for a commitment that does not verify,
+    StoreError for an S_0 that does not hash to h_0, and what `source` raises."""
     spec = store.spec
     trainer = source.commitment()
     trainer.verify(job_id=spec.job_id, role="trainer", n=spec.steps)
@@ -244,9 +243,8 @@ def begin_replay(store: JobStore, source: ClaimSource
         if state_digest(state0) != spec.h0:
             raise StoreError("the trainer's S_0 does not hash to the job's h_0")
         store.put_initial(state0)
-    last = store.last_step()
-    divergent, reason = _first_mismatch(store, source, last)
-    return trainer, last, divergent, reason
+    divergent, reason = _first_mismatch(store, source, store.last_step())
+    return trainer, store.last_step(), divergent, reason
 
 
 def finish_replay(store: JobStore, key: KeyPair, trainer: SignedCommitment,
@@ -264,25 +262,20 @@ def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
 
     The whole leaf is compared, the trainer's ℓ_t too: a stored step t replayed L_t, so only
     where ℓ_t is the trainer's is the stored h_t this trainer's step replayed, and a differing
-    h_t a challenge of step t (SPEC §5.1). A stored ℓ_t that is not the trainer's was taken
-    from another commitment of the job (an audit of the same job at another trainer, or of a
-    root this trainer no longer serves): a challenge on that replay would name a leaf the
-    arbiter's re-execution of the trainer's own L_t answers for the trainer (SPEC §5.4: false
-    challenge), and the store cannot replay step t again, so the audit is refused. Leaf 0 is
-    (0, h_0, the empty log's hash) by rule (SPEC §2), so any difference there is the trainer's,
-    a challenge of step 0. Raises RefusedError for such a step t > 0, and what `source` and the
-    store raise."""
+    h_t a challenge of step t (SPEC §5.1). A stored ℓ_t that is not the trainer's came from
+    another commitment to the job (one this trainer served before, in an audit that failed):
+    a challenge on that replay would name a leaf that the arbiter's re-execution of the
+    trainer's own L_t answers for the trainer (SPEC §5.4: a false challenge). So the store is
+    cut back to step t - 1 (`JobStore.truncate`) and replays the trainer's L_t onwards. Leaf 0
+    is (0, h_0, the empty log's hash) by rule (SPEC §2), so any difference there is the
+    trainer's, a challenge of step 0. Raises what `source` and the store raise."""
     for leaf in store.leaves()[: upto + 1]:
         claimed = source.leaf(leaf.step)
         if leaf.step == 0 and leaf.log_hash != claimed.log_hash:
             return 0, "the trainer's leaf 0 does not hold the empty log's hash"
         if leaf.log_hash != claimed.log_hash:
-            raise RefusedError(
-                f"the auditor's store replayed step {leaf.step} of job "
-                f"{store.spec.job_id.hex()} with another rounding log than this trainer's "
-                f"(another commitment to the job was audited into it); it cannot replay that "
-                f"step again, so it audits no other commitment to this job (to audit this one "
-                f"afresh, remove {store.dir} while the auditor is stopped)")
+            store.truncate(leaf.step - 1)
+            return None, None
         if leaf.state_hash != claimed.state_hash:
             return leaf.step, STATE_DIFFERS
     return None, None

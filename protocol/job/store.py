@@ -157,6 +157,24 @@ class JobStore:
             self._write_checkpoint(leaf.step, state)
         self._put_leaf(leaf)
 
+    def truncate(self, after: int) -> None:
+        """Forget every step after `after`: its leaves and the commitments over more steps (in
+        one transaction, first, so that a crash leaves the store whole or cut), then its logs
+        and checkpoints. An auditor replays those steps again: its replay made with another
+        commitment's logs (`protocol.job.run.begin_replay`). A file left by a crash between the
+        two is never read — a log or checkpoint is read for a stored leaf only, and written
+        again before its leaf when its step is appended again. Raises StoreError for `after`
+        < 0 (S_0 and leaf 0 are the job's, never cut)."""
+        if after < 0:
+            raise StoreError(f"cannot cut a store back to step {after}: S_0 stays")
+        with self._lock, self._db:
+            self._db.execute("DELETE FROM leaves WHERE step > ?", (after,))
+            self._db.execute("DELETE FROM commitments WHERE n > ?", (after,))
+        for path in [*(self.dir / "logs").glob("*.ovtl.z"),
+                     *(self.dir / "checkpoints").glob("*.safetensors")]:
+            if int(path.name.split(".")[0]) > after:
+                path.unlink(missing_ok=True)
+
     def save_commitment(self, signed: SignedCommitment) -> None:
         with self._lock, self._db:
             self._db.execute("INSERT OR REPLACE INTO commitments VALUES (?, ?)",

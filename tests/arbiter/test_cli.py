@@ -196,6 +196,42 @@ def test_no_challenge_from_the_auditor_is_exit_2(dispute, serve, tmp_path, capsy
     assert "no challenge" in capsys.readouterr().err
 
 
+class _Auditor(ovt_pb2_grpc.AuditorServicer):
+    """An auditor node's Auditor service that audited the job at `trainer`."""
+
+    def __init__(self, trainer: str, challenge: bytes) -> None:
+        self.trainer, self.challenge = trainer, challenge
+
+    def GetAudit(self, request, context):
+        return ovt_pb2.AuditReport(job_id=request.job_id, state="diverged",
+                                   trainer=self.trainer)
+
+    def GetChallenge(self, request, context):
+        return ovt_pb2.ChallengeReply(challenge=self.challenge)
+
+
+def test_the_auditors_challenge_of_another_trainer_is_not_adjudicated(dispute, serve,
+                                                                      tmp_path, capsys):
+    # Review 30, finding 1: an auditor node audits a job at one trainer and serves its
+    # challenge by the job's id alone; adjudicated against another trainer, which never signed
+    # its commitment, it would be ruled a bad challenge and blame the auditor.
+    root, spec = dispute
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    ovt_pb2_grpc.add_AuditorServicer_to_server(
+        _Auditor("127.0.0.1:1", (root / "challenge.ovt").read_bytes()), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        trainer = serve(root / "trainer")
+        rc = main(["adjudicate", "--trainer", trainer, "--auditor", f"127.0.0.1:{port}",
+                   "--job", spec.job_id.hex(), "--out", str(tmp_path / "v")])
+    finally:
+        server.stop(None).wait(5)
+    err = capsys.readouterr().err
+    assert rc == 2 and "audited job" in err and "not at --trainer" in err, err
+    assert "Traceback" not in err and not (tmp_path / "v").exists()
+
+
 def test_verify_of_a_missing_or_garbage_file(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "absent")]) == 2
     (tmp_path / "garbage").write_bytes(b"\x00" * 10)

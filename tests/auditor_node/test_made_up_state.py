@@ -3,7 +3,9 @@
 stray tensor). Loading it used to raise out of the audit (a bare KeyError, a ConfigError), and
 every retry failed the same way; now the sampled interval starting at c cannot start, and the
 audit escalates to a replay from its own states that finds the divergence at step c, exactly
-as for an S_c that does not hash to h_c (in-process Claims server on 127.0.0.1)."""
+as for an S_c that does not hash to h_c. Likewise for a made-up S_c that loads but fails the
+interval's first step (review 30, finding A: an Adam state without one parameter's
+exp_avg_sq, a bare KeyError from torch's Adam) (in-process Claims server on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -28,14 +30,15 @@ from .conftest import serve_claims
 
 pytestmark = pytest.mark.network
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
+ADAM = {**TINY, "optimizer": "adam"}
 STEPS, MADE_UP = 4, 2  # intervals 1-2 and 3-4; leaf 2's S_2 is made up
 PROFILE = Profile.parse("cpu-1t")
 
 
-def _trainer_with_made_up_state(root, change) -> tuple:
-    """A store of the tiny job whose leaf MADE_UP and checkpoint are a made-up S_2 (the honest
-    one changed by `change`), under a validly signed root over those leaves."""
-    spec, state0 = build_job(program="image-cnn", config=TINY, preset=None, steps=STEPS,
+def _trainer_with_made_up_state(root, config, change) -> tuple:
+    """A store of the tiny job on `config` whose leaf MADE_UP and checkpoint are a made-up S_2
+    (the honest one changed by `change`), under a validly signed root over those leaves."""
+    spec, state0 = build_job(program="image-cnn", config=config, preset=None, steps=STEPS,
                              seed=0, init_seed=1, policy=PrecisionPolicy(),
                              checkpoint_interval=2, commit_interval=STEPS)
     store = JobStore(root, spec)
@@ -65,13 +68,14 @@ def _key_sampling(spec, signed, interval: Interval) -> KeyPair:
     raise AssertionError("no key in 200 draws sampled the interval")
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda s: s.pop("step"), "its step counter 'step' must be one int64, it has none"),
-    (lambda s: s.update({"extra.x": torch.zeros(1)}), "unexpected ['extra.x']"),
-], ids=["no-step", "stray"])
-def test_a_made_up_sampled_start_state_escalates_and_finds_the_divergence(tmp_path, change,
-                                                                          why):
-    spec, signed = _trainer_with_made_up_state(tmp_path / "trainer", change)
+@pytest.mark.parametrize("config, change, why", [
+    (TINY, lambda s: s.pop("step"), "its step counter 'step' must be one int64, it has none"),
+    (TINY, lambda s: s.update({"extra.x": torch.zeros(1)}), "unexpected ['extra.x']"),
+    (ADAM, lambda s: s.pop("optim.head.weight.exp_avg_sq"), "KeyError: 'exp_avg_sq'"),
+], ids=["no-step", "stray", "adam-no-exp_avg_sq"])
+def test_a_made_up_sampled_start_state_escalates_and_finds_the_divergence(tmp_path, config,
+                                                                          change, why):
+    spec, signed = _trainer_with_made_up_state(tmp_path / "trainer", config, change)
     key = _key_sampling(spec, signed, Interval(MADE_UP + 1, STEPS))
     with serve_claims(ClaimsServicer(StoreDirectory(tmp_path / "trainer"))) as address:
         record = run_audit(address, spec.job_id, tmp_path / "auditor", key, PROFILE,

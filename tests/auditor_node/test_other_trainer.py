@@ -1,8 +1,9 @@
 """An audit is of a job at one trainer: another trainer's commitment to the same job never
-joins it, poisons it or is challenged on its replay (review 26, findings 1 and 2).
+joins it, takes its place or is challenged on its replay (reviews 26 and 30).
 
-A decoy (any peer serving the job's public spec and S_0) first has the auditor audit the job
-at its own address; the client then asks for the audit of the job at the real trainer."""
+A decoy (any peer serving the job's public spec and S_0) has the auditor audit the job at its
+own address; the client then asks for the audit of the job at the real trainer. Or the
+trainer itself first serves the decoy's commitment and then its own, at one address."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import zlib
 
 import pytest
 
+from arbiter.adjudicate import adjudicate
+from arbiter.parties import StoreParty
 from auditor_node.audit import CHALLENGE_FILE, DIVERGED, FAILED, MATCHED
 from auditor_node.runner import AuditRunner
 from proto.claims import ClaimsServicer, StoreDirectory
@@ -19,6 +22,7 @@ from protocol.codec.state import state_digest
 from protocol.commit.commitments import Commitment, sign_commitment
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
+from protocol.dispute.challenge import Challenge
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
 from protocol.errors import RefusedError
@@ -102,6 +106,23 @@ def _serve(root):
     return serve_claims(ClaimsServicer(StoreDirectory(root)))
 
 
+class _Switch:
+    """A trainer's Claims service at one address whose store can be switched between calls:
+    a trainer that serves one commitment to the job, then another."""
+
+    def __init__(self, root) -> None:
+        self.switch(root)
+
+    def switch(self, root) -> None:
+        self.current = ClaimsServicer(StoreDirectory(root))
+
+
+for _name in ("GetSpec", "GetCommitment", "GetLeaf", "GetLeaves", "GetLog", "GetCheckpoint",
+              "GetBatch"):
+    setattr(_Switch, _name, (lambda name: lambda self, request, context:
+                             getattr(self.current, name)(request, context))(_name))
+
+
 def _audit(runner, job_id, address):
     status = runner.submit(job_id, address)
     while not status.finished:
@@ -119,20 +140,43 @@ def runner(tmp_path):
     runner.stop(timeout=TIMEOUT_S)
 
 
-def test_a_decoys_replay_is_never_challenged_for_the_real_trainer(stores, runner, tmp_path):
-    """Finding 1: the decoy's audit fails with leaves 0..3 stored, leaf 3 holding the decoy's
-    ℓ_3. Resumed for the cheater, a state-only comparison found them all agreeing and
-    challenged step 4, a challenge the arbiter bisects to leaf 3 and rules false (the cheater
-    won). The whole leaf is compared now: the replay is not the cheater's, and is refused."""
+def test_a_replay_of_another_commitment_is_replayed_again_not_challenged(stores, runner,
+                                                                          tmp_path):
+    """Review 26 finding 1, review 30 finding 2: the cheater first serves the decoy's
+    commitment (its L_3 flipped, S_3 the same; no L_4), so the audit fails with leaves 0..3
+    stored, leaf 3 holding the decoy's ℓ_3; then its own, at the same address. Resumed on a
+    state-only comparison, the audit challenged step 4, a challenge the arbiter bisects to
+    leaf 3 and rules false: the cheater won. Refused instead, the job could never be audited
+    here again. Now the store is cut back to step 2 and replays the cheater's L_3 onwards:
+    the challenge is of step 4, and the arbiter rules against the cheater there."""
+    spec = _job()[0]
+    switch = _Switch(stores["decoy"])
+    with serve_claims(switch) as trainer:
+        first = _audit(runner, spec.job_id, trainer)
+        assert first.state == FAILED and "GetLog" in first.record.error
+        switch.switch(stores["cheater"])
+        second = _audit(runner, spec.job_id, trainer)
+    assert second.state == DIVERGED and second.record.divergent_step == CHEAT
+    auditor = JobStore(tmp_path / "auditor", spec)
+    challenge = Challenge.from_bytes(
+        (tmp_path / "auditor" / spec.job_id.hex() / CHALLENGE_FILE).read_bytes())
+    verdict = adjudicate(spec, challenge,
+                         StoreParty("trainer", JobStore(stores["cheater"], spec)),
+                         StoreParty("auditor", auditor), key=KeyPair.generate(),
+                         profile=PROFILE, deadline_s=TIMEOUT_S).verdict
+    assert (verdict.fault, verdict.step) == ("trainer", CHEAT)
+
+
+def test_a_decoys_audit_is_never_taken_over_by_the_real_trainer(stores, runner):
+    """The decoy at its own address, its audit failed with its replay stored: a request for
+    the job at the real trainer is refused (the job's audit is the decoy's, read by the job's
+    id alone), never resumed on the decoy's replay nor answered with it."""
     job_id = _job()[0].job_id
     with _serve(stores["decoy"]) as decoy, _serve(stores["cheater"]) as cheater:
-        first = _audit(runner, job_id, decoy)
-        assert first.state == FAILED and "GetLog" in first.record.error
-        second = _audit(runner, job_id, cheater)
-    assert second.trainer == cheater
-    assert second.state == FAILED, f"challenged on the decoy's replay: {second.record}"
-    assert "another rounding log" in second.record.error
-    assert not (tmp_path / "auditor" / job_id.hex() / CHALLENGE_FILE).exists()
+        assert _audit(runner, job_id, decoy).state == FAILED
+        with pytest.raises(RefusedError, match="at trainer .* \\(failed\\)"):
+            runner.submit(job_id, cheater)
+    assert runner.get(job_id).trainer == decoy
 
 
 def test_a_fresh_audit_catches_the_cheater_at_its_step(stores, runner):
@@ -151,24 +195,19 @@ def test_another_peers_audit_never_answers_for_the_trainer(stores, runner):
     with _serve(stores["mallory"]) as mallory, _serve(stores["honest"]) as honest:
         decided = _audit(runner, job_id, mallory)
         assert decided.state == DIVERGED and decided.record.divergent_step == 2
-        with pytest.raises(RefusedError, match="another trainer"):
+        with pytest.raises(RefusedError, match=r"at trainer .* \(diverged\)"):
             runner.submit(job_id, honest)
     assert runner.get(job_id) == decided
 
 
-def test_the_trainer_is_audited_after_another_peers_failed_audit(stores, runner, tmp_path):
-    """A failed audit decided nothing: another trainer's request takes its place, and the
-    replay the failed one stored is resumed, its leaves being that trainer's too (a peer
-    serving the honest trainer's leaves under its own key, and no L_3)."""
+def test_the_trainer_is_audited_after_an_audit_at_a_dead_address(stores, runner):
+    """An audit that failed before the job's store was made (nothing answers at its address)
+    holds nothing: the trainer's request takes its place."""
     job_id = _job()[0].job_id
-    shutil.copytree(stores["honest"], tmp_path / "proxy")
-    proxy = JobStore(tmp_path / "proxy", _job()[0])
-    proxy._log_path(3).unlink()
-    _sign_all(proxy)
-    proxy.close()
     with _serve(stores["honest"]) as honest:
-        with _serve(tmp_path / "proxy") as other:
-            assert _audit(runner, job_id, other).state == FAILED
+        with _serve(stores["honest"]) as gone:
+            pass
+        assert _audit(runner, job_id, gone).state == FAILED
         status = _audit(runner, job_id, honest)
     assert status.trainer == honest and status.state == MATCHED
     assert status.record.auditor_commitment.commitment.root == \

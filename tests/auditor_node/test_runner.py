@@ -102,22 +102,43 @@ def test_a_failed_audit_is_reported_and_retried(running):
 def test_another_trainers_request_never_joins_nor_interrupts_the_audit(running):
     """An audit is of a job at one trainer (review 26, finding 2): a request naming another
     trainer is refused while the job's audit runs (which goes on) and once it is decided
-    (whose verdict its client reads by the job id alone)."""
+    (whose verdict its client reads by the job id alone); the report names the trainer."""
     script = Script(steps=3, delay_s=0.1)
     runner = running(script)
     runner.submit(JOB, "127.0.0.1:7000")
-    with pytest.raises(RefusedError, match=r"127\.0\.0\.1:7000: (queued|running).*fails"):
+    with pytest.raises(RefusedError, match=r"at trainer 127\.0\.0\.1:7000 \((queued|running)\)"):
         runner.submit(JOB, "127.0.0.1:7001")
     status = wait_finished(runner, JOB)
     assert (status.trainer, status.state) == ("127.0.0.1:7000", "matched")
-    with pytest.raises(RefusedError, match=r"127\.0\.0\.1:7000: matched"):
+    with pytest.raises(RefusedError, match=r"at trainer 127\.0\.0\.1:7000 \(matched\)"):
         runner.submit(JOB, "127.0.0.1:7001")
     assert runner.get(JOB) == status
+    assert report(status).trainer == "127.0.0.1:7000"
     assert script.calls == [("127.0.0.1:7000", JOB)]
 
 
-def test_another_trainers_request_takes_the_place_of_a_failed_audit(running, tmp_path):
+def test_another_trainers_request_never_takes_the_place_of_a_failed_audit(running):
+    """Review 30, finding 1: a failed audit replaced by another trainer's answered the client
+    who asked for the first (reading the job's audit by its id) with the other's verdict.
+    The job stays with the trainer asked for first, which may ask again."""
     script = Script("peer-error", store=True)
+    runner = running(script)
+    runner.submit(JOB, "127.0.0.1:7000")
+    assert wait_finished(runner, JOB).state == "failed"
+    with pytest.raises(RefusedError, match=r"at trainer 127\.0\.0\.1:7000 \(failed\)"):
+        runner.submit(JOB, "127.0.0.1:7001")
+    script.outcome = "matched"
+    assert runner.submit(JOB, "127.0.0.1:7000").trainer == "127.0.0.1:7000"
+    assert wait_finished(runner, JOB).state == "matched"
+    assert script.calls == [("127.0.0.1:7000", JOB), ("127.0.0.1:7000", JOB)]
+
+
+def test_another_trainers_request_takes_the_place_of_an_audit_that_made_no_store(running,
+                                                                                 tmp_path):
+    """An audit that failed before the job's store was made holds nothing: a request naming
+    another trainer takes its place, or one request to a dead address would shut the job
+    out of this node."""
+    script = Script("peer-error")
     runner = running(script)
     runner.submit(JOB, "127.0.0.1:7000")
     assert wait_finished(runner, JOB).state == "failed"

@@ -19,6 +19,7 @@ from auditor_node.cli import main as auditor_main
 from proto import ovt_pb2, ovt_pb2_grpc
 from proto.claims import ClaimsServicer, RemoteClaims, StoreDirectory, chunks, join_chunks
 from protocol.codec.state import decode_state, load_safetensors, state_digest
+from protocol.commit.commitments import Claim, Commitment, sign_commitment
 from protocol.commit.data import ProvenExample, verify_examples
 from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
@@ -260,3 +261,29 @@ def test_a_job_that_commits_again_keeps_one_merkle_tree_in_the_servicer(tmp_path
     run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-1t"))
     assert servicer.GetLeaf(ref, None).tree_size == 5  # under the one over 4 steps
     assert list(servicer._trees.values())[0].size == 5 and len(servicer._trees) == 1
+
+
+def test_a_store_cut_back_and_committed_again_is_proved_under_its_new_root(tmp_path):
+    """Review 30, finding 2: an auditor's store is cut back and replayed again to as many
+    steps (`JobStore.truncate`); the servicer's tree, known by its size alone, would then
+    prove its leaves under a root it no longer serves, and the auditor lose its dispute."""
+    spec, state0 = build_job(program="image-cnn", config=TINY, preset=None, steps=4, seed=0,
+                             init_seed=1, policy=PrecisionPolicy(), checkpoint_interval=2,
+                             commit_interval=2)
+    store = JobStore(tmp_path, spec)
+    store.put_initial(state0)
+    key = KeyPair.generate()
+    first = run_job(store, key, profile=Profile.parse("cpu-1t"))
+    servicer = ClaimsServicer(StoreDirectory(tmp_path))
+    ref = ovt_pb2.StepRef(job_id=spec.job_id, step=1)
+    assert servicer.GetLeaf(ref, None).tree_size == 5  # the tree of `first`, cached
+    store.truncate(2)
+    for step in (3, 4):  # other leaves 3 and 4 (what another commitment's logs replayed)
+        store._put_leaf(Leaf(step, bytes([step]) * 32, bytes([step]) * 32))
+    again = sign_commitment(Commitment(spec.job_id, 4, store.tree().root, bytes([4]) * 32,
+                                       key.public_key, "auditor", 1), key)
+    store.save_commitment(again)
+    assert again.commitment.root != first.commitment.root
+    reply = servicer.GetLeaf(ref, None)
+    Claim(spec.job_id, 1, bytes(reply.state_hash), bytes(reply.log_hash),
+          tuple(bytes(p) for p in reply.proof), reply.tree_size).verify(again)

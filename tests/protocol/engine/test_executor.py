@@ -163,6 +163,35 @@ def test_a_state_that_does_not_fit_is_a_config_error(change, message):
         executor("image-cnn").load_state(state)
 
 
+
+def _first(state, suffix: str) -> str:
+    return next(k for k in sorted(state) if k.startswith("optim.") and k.endswith(suffix))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update({_first(s, ".step"): s[_first(s, ".step")].long()}),
+     r"\.step' is torch.int64 \(\), a step counter torch.optim keeps as torch.float32 \(\)$"),
+    (lambda s: s.update({_first(s, ".step"): s[_first(s, ".step")].double()}),
+     r"\.step' is torch.float64 \(\), a step counter torch.optim keeps as torch.float32"),
+    (lambda s: s.update({_first(s, ".step"): s[_first(s, ".step")].reshape(1)}),
+     r"\.step' is torch.float32 \(1,\), a step counter torch.optim keeps as torch.float32"),
+    (lambda s: s.update({_first(s, ".exp_avg"): s[_first(s, ".exp_avg")].flatten()[0]}),
+     r"\.exp_avg' is torch.float32 \(\), its parameter torch.float32 \(16,\)$"),
+], ids=["step-int64", "step-float64", "step-vector", "buffer-scalar"])
+def test_an_adam_state_whose_scalars_do_not_fit_is_a_config_error(change, message):
+    """Review 30, finding A: a 0-dim optimizer value was taken unchecked, a step counter of
+    any dtype kept as it was and any other broadcast into its parameter's shape (the state
+    loaded was not the one hashed). torch.optim keeps the counters as float32 CPU scalars and
+    every other value like its parameter."""
+    ex = executor("char-transformer")  # AdamW: exp_avg, exp_avg_sq and a step per parameter
+    ex.init_state(1)
+    ex.step()
+    state = ex.state()
+    executor("char-transformer").load_state(state)  # as it was made: it fits
+    change(state)
+    with pytest.raises(ConfigError, match=message):
+        executor("char-transformer").load_state(state)
+
 def test_load_state_takes_the_step_counter_it_is_told():
     ex = executor("image-cnn")
     ex.init_state(1)

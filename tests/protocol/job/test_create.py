@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 
 from protocol.commit.data import DataCommitment
-from protocol.engine.datasets import DataFile
+from protocol.engine.datasets import DataFile, commit_examples
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.programs.registry import parameter_count
 from protocol.errors import ConfigError, ResourceLimitError
@@ -99,3 +100,60 @@ def test_a_job_of_more_than_max_examples_is_not_created(monkeypatch):
     with pytest.raises(ConfigError, match="^the job's data counts 64 examples; at most 32 are "
                                           "taken"):
         _build()
+
+
+
+def _counting_hashes(monkeypatch) -> list:
+    """A fresh cache of built-in datasets' commitments, and the datasets hashed from now on."""
+    monkeypatch.setattr("protocol.job.create._builtin_data", OrderedDict())
+    hashed: list = []
+
+    def counted(source):
+        hashed.append(source)
+        return commit_examples(source)
+
+    monkeypatch.setattr("protocol.job.create.commit_examples", counted)
+    return hashed
+
+
+def _sized(spec, size: int, root: bytes | None = None):
+    """`spec` on image-cnn's dataset of `size` examples (committing to `root`, default the
+    64-example one's: only right for 64)."""
+    return _data(dataclasses.replace(spec, config={**spec.config, "dataset_size": size}),
+                 root=root, count=size)
+
+
+def test_a_built_in_jobs_dataset_is_hashed_once_and_a_forged_root_still_refused(spec,
+                                                                                monkeypatch):
+    """Review 30, finding B: every `load_job_program` of a built-in job hashed its whole
+    dataset again, and a node loads a job for each state it regenerates (any peer may ask) and
+    each escalation of a sampled audit. Its commitment is now hashed once per program and
+    config; whether it is the spec's is still decided on every load, a forged root's first
+    or not."""
+    hashed = _counting_hashes(monkeypatch)
+    forged = _data(spec, root=b"\x11" * 32)
+    refused = "^the dataset of program 'image-cnn' differs from the one this job committed to"
+    with pytest.raises(ConfigError, match=refused):
+        load_job_program(forged)
+    assert len(hashed) == 1
+    for _ in range(2):
+        assert len(load_job_program(spec).dataset) == 64
+        with pytest.raises(ConfigError, match=refused):
+            load_job_program(forged)
+    other_job = dataclasses.replace(spec, steps=spec.steps + 1, seed=spec.seed + 1)
+    assert len(load_job_program(other_job).dataset) == 64  # the same program and config
+    assert len(hashed) == 1
+    with pytest.raises(ConfigError, match="holds 64 examples, but the job commits to 65$"):
+        load_job_program(_data(spec, count=65))  # the count is checked on every load
+    with pytest.raises(ConfigError, match=refused):  # another config: another dataset
+        load_job_program(_sized(spec, 72))
+    assert len(hashed) == 2
+
+
+def test_a_process_remembers_a_bounded_number_of_built_in_datasets(spec, monkeypatch):
+    hashed = _counting_hashes(monkeypatch)
+    monkeypatch.setattr("protocol.job.create._CACHED_BUILTIN_DATA", 2)
+    for size in (64, 72, 80, 64, 80):  # 64 is forgotten when 80 is remembered
+        with pytest.raises(ConfigError, match="differs from the one this job committed to"):
+            load_job_program(_sized(spec, size, root=b"\x11" * 32))
+    assert [len(source) for source in hashed] == [64, 72, 80, 64]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from protocol.codec.state import state_digest
@@ -34,6 +35,7 @@ from protocol.job.intervals import (
     SEGMENTS,
     Interval,
     IntervalRunner,
+    IntervalTask,
     make_task,
     plan_intervals,
     replay_in_intervals,
@@ -236,30 +238,112 @@ class MadeUp:
         pass
 
 
-@pytest.mark.parametrize("change, why", [
-    (lambda s: s.pop("step"), "its step counter 'step' must be one int64, it has none"),
-    (lambda s: s.update({"extra.x": torch.zeros(1)}), "unexpected ['extra.x']"),
-    (lambda s: s.update(step=torch.tensor(10**12)), "holds step counter 1000000000000, not 4"),
-], ids=["no-step", "stray", "other-step"])
-def test_a_made_up_trainer_state_that_hashes_to_its_leaf_but_does_not_load_does_not_start(
-        trainer, tmp_path, change, why):
-    """A cheat signs a leaf 4 whose S_4 hashes to it but is no S_4 of the program: the interval
-    does not start (the caller replays it from its own state, which finds the cheat) instead
-    of failing the audit, as loading it raised (a bare KeyError without a step counter)."""
-    made_up = trainer.checkpoint(4)
-    change(made_up)
-    auditor = JobStore(tmp_path, trainer.spec)
+def _made_up_task(trainer: JobStore, auditor: JobStore, made_up) -> IntervalTask:
+    """The task of steps 5-8 under a cheat's leaf 4, whose h_4 is `made_up`'s hash."""
     task = make_task(auditor, StoreSource(trainer), Interval(5, 8))
     leaf4 = task.trainer_leaves[0]
-    task = dataclasses.replace(task, trainer_leaves=(
+    return dataclasses.replace(task, trainer_leaves=(
         Leaf(4, state_digest(made_up), leaf4.log_hash), *task.trainer_leaves[1:]))
+
+
+@pytest.fixture(scope="module")
+def adam_trainer(tmp_path_factory) -> JobStore:
+    """An Adam job of 8 steps (intervals 1-4 and 5-8), trained honestly."""
+    spec, state0 = build_job(program="image-cnn", config={**TINY, "optimizer": "adam"},
+                             preset=None, steps=8, seed=0, init_seed=1,
+                             policy=PrecisionPolicy(), checkpoint_interval=EVERY,
+                             commit_interval=8)
+    store = JobStore(tmp_path_factory.mktemp("adam-trainer"), spec)
+    store.put_initial(state0)
+    run_job(store, KeyPair.generate(), profile=Profile.parse("cpu-2t"))
+    return store
+
+
+NOT_S4 = "the trainer's S_4 hashes to h_4 but is no state of this job's program at step 4: "
+
+
+def _counters_as(dtype):
+    return lambda s: s.update({k: v.to(dtype) for k, v in s.items()
+                               if k.startswith("optim.") and k.endswith(".step")})
+
+
+@pytest.mark.parametrize("job, change, why", [
+    ("trainer", lambda s: s.pop("step"),
+     "ConfigError: state does not fit the program: its step counter 'step' must be one "
+     "int64, it has none"),
+    ("trainer", lambda s: s.update({"extra.x": torch.zeros(1)}), "unexpected ['extra.x']"),
+    ("trainer", lambda s: s.update(step=torch.tensor(10**12)),
+     "holds step counter 1000000000000, not 4"),
+    ("adam_trainer", lambda s: s.pop("optim.head.weight.exp_avg_sq"), "KeyError: 'exp_avg_sq'"),
+    ("adam_trainer", _counters_as(torch.int64),
+     ".step' is torch.int64 (), a step counter torch.optim keeps as torch.float32 ()"),
+], ids=["no-step", "stray", "other-step", "adam-no-exp_avg_sq", "adam-int-counters"])
+def test_a_made_up_trainer_state_that_hashes_to_its_leaf_but_does_not_run_does_not_start(
+        request, tmp_path, job, change, why):
+    """A cheat signs a leaf 4 whose S_4 hashes to it but is no S_4 of the program: the interval
+    does not start (the caller replays it from its own state, which finds the cheat) instead
+    of failing the audit. Loading it raised (a bare KeyError without a step counter), or it
+    loaded and the first step raised (review 30, finding A: an Adam state without one
+    parameter's exp_avg_sq, a bare KeyError from torch's Adam), and every retry of a sampled
+    audit drew the same interval and failed the same way."""
+    trainer = request.getfixturevalue(job)
+    made_up = trainer.checkpoint(4)
+    change(made_up)
+    task = _made_up_task(trainer, JobStore(tmp_path, trainer.spec), made_up)
     result = replay_interval(trainer.spec, task, MadeUp(trainer, made_up),
                              job_executor(trainer.spec, AUDITOR))
     assert result.unstarted is not None and (result.leaves, result.divergent_step) == ((), None)
-    assert result.unstarted.startswith("the trainer's S_4 hashes to h_4 but is no state of "
-                                       "this job's program at step 4: ")
+    assert result.unstarted.startswith(NOT_S4)
     assert why in result.unstarted
     assert not task.segment.exists()
+
+
+@pytest.mark.parametrize("start", ["held", "own-start"])
+def test_the_auditors_own_start_state_is_trusted_when_its_step_fails(adam_trainer, tmp_path,
+                                                                    start):
+    """Only the trainer's S_start is untrusted: a step that fails from the auditor's own
+    (the state its executor holds, or its S_start handed over as a file) is the auditor's own
+    failure, and raises."""
+    made_up = adam_trainer.checkpoint(4)
+    del made_up["optim.head.weight.exp_avg_sq"]
+    auditor = JobStore(tmp_path / "auditor", adam_trainer.spec)
+    task = _made_up_task(adam_trainer, auditor, made_up)
+    ex = job_executor(adam_trainer.spec, AUDITOR)
+    held = None
+    if start == "held":
+        ex.load_state(made_up, step=4)  # a load does not tell that a buffer is missing
+        held = state_digest(made_up)
+    else:
+        own = tmp_path / "own-start.safetensors"
+        own.write_bytes(safetensors.torch.save(made_up))
+        task = dataclasses.replace(task, own_start=own)
+    with pytest.raises(KeyError, match="exp_avg_sq"):
+        replay_interval(adam_trainer.spec, task, MadeUp(adam_trainer, made_up), ex, held=held)
+
+
+@dataclass(frozen=True)
+class FailsAt(StepHooks):
+    """Honest hooks but for step `step`, which raises before it runs."""
+
+    step: int
+
+    def before(self, t, ex):
+        if t == self.step:
+            raise RuntimeError(f"step {t} failed")
+
+
+def test_only_the_first_step_from_the_trainers_state_makes_an_interval_unstarted(trainer,
+                                                                                  tmp_path):
+    """Once step 5 has run from the trainer's S_4, what the interval's later steps raise is
+    the replay's failure, as in any replay, not the trainer's state's."""
+    auditor = JobStore(tmp_path, trainer.spec)
+    task = make_task(auditor, StoreSource(trainer), Interval(5, 8))
+    first = replay_interval(trainer.spec, task, MadeUp(trainer, trainer.checkpoint(4)),
+                            job_executor(trainer.spec, AUDITOR), FailsAt(5))
+    assert (first.unstarted, first.leaves) == (NOT_S4 + "RuntimeError: step 5 failed", ())
+    with pytest.raises(RuntimeError, match="step 6 failed"):
+        replay_interval(trainer.spec, task, MadeUp(trainer, trainer.checkpoint(4)),
+                        job_executor(trainer.spec, AUDITOR), FailsAt(6))
 
 
 @two_cpus

@@ -1,6 +1,6 @@
 """Resuming an audit (`begin_replay`) compares whole leaves with the trainer's: a stored step
 replayed with another log than the trainer's ℓ_t is no divergence to challenge, but a replay of
-another commitment to the job (review 26, finding 1)."""
+another commitment to the job, cut back and replayed again (reviews 26 and 30)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
-from protocol.errors import RefusedError
 from protocol.job.create import build_job
 from protocol.job.run import STATE_DIFFERS, StoreSource, begin_replay, run_job
 from protocol.job.store import JobStore
@@ -54,11 +53,14 @@ def replayed(trained, tmp_path):
     return JobStore(tmp_path, trained.spec)
 
 
-def test_a_stored_step_of_another_log_is_refused_not_challenged(trained, replayed):
+def test_a_stored_step_of_another_log_is_cut_back_not_challenged(trained, replayed):
     """The decoy's replay: the same h_3, another ℓ_3 than this trainer's. A state-only check
-    resumed it as agreeing; a challenge on it would lose before the arbiter."""
-    with pytest.raises(RefusedError, match="step 3 .* another rounding log"):
-        begin_replay(replayed, Altered(trained, 3, log_hash=b"\x07" * 32))
+    resumed it as agreeing, and a challenge on it would lose before the arbiter; refused, the
+    job could never be audited there again. The store is cut back to step 2 instead."""
+    _, last, divergent, reason = begin_replay(replayed,
+                                              Altered(trained, 3, log_hash=b"\x07" * 32))
+    assert (last, divergent, reason) == (2, None, None)
+    assert replayed.last_step() == 2
 
 
 def test_a_stored_step_of_the_trainers_log_and_another_state_is_its_divergence(trained,

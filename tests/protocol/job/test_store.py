@@ -229,3 +229,24 @@ def test_put_initial_file_moves_a_checked_s0_into_place(tmp_path):
     assert store.leaf(0) == Leaf(0, spec.h0, EMPTY_LOG_DIGEST)
     assert (store.dir / "checkpoints" / "000000000.safetensors").read_bytes() == data
     assert states_equal(store.checkpoint(0), state0)
+
+
+def test_a_store_cut_back_forgets_the_later_steps_and_runs_on_to_the_same_root(trained,
+                                                                              tmp_path):
+    """`truncate` (an auditor's replay of another commitment's logs, replayed again): leaves,
+    commitments over more steps, logs and checkpoints after the step go; what stays regenerates
+    and runs on to the same leaves."""
+    spec, _, root, _, key, signed, _ = trained
+    shutil.copytree(root, tmp_path / "copy")
+    store = JobStore(tmp_path / "copy", spec)
+    store.truncate(120)
+    assert store.last_step() == 120
+    assert store.commitment(STEPS) is None and store.commitment(100) is not None
+    assert store.checkpoint_steps() == [0, 50, 100]
+    assert [int(p.name[:9]) for p in (store.dir / "logs").iterdir()] and \
+        max(int(p.name[:9]) for p in (store.dir / "logs").iterdir()) == 120
+    assert state_digest(store.state_at(120, _fresh_executor(spec))) == \
+        store.leaf(120).state_hash
+    assert run_job(store, key, profile=PROFILE).commitment.root == signed.commitment.root
+    with pytest.raises(StoreError, match="S_0 stays"):
+        store.truncate(-1)
