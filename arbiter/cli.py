@@ -245,18 +245,20 @@ def _challenge(args, channel: grpc.Channel, job_id: bytes) -> Challenge:
         where = str(args.challenge)
     else:
         stub, ref = ovt_pb2_grpc.AuditorStub(channel), ovt_pb2.JobRef(job_id=job_id)
-        try:
-            audited = stub.GetAudit(ref, timeout=CALL_TIMEOUT_S).trainer
+        try:  # the audit's trainer asked before and after: the challenge is that audit's
+            audited = {stub.GetAudit(ref, timeout=CALL_TIMEOUT_S).trainer}
             data = stub.GetChallenge(ref, timeout=CALL_TIMEOUT_S).challenge
+            audited.add(stub.GetAudit(ref, timeout=CALL_TIMEOUT_S).trainer)
         except grpc.RpcError as err:
             raise ConfigError(f"the auditor has no challenge to adjudicate: "
                               f"{err.code().name}: {err.details()}") from None
-        if audited != args.trainer:
+        if audited != {args.trainer}:
             # Its challenge is about the commitment of the trainer it audited, which the
             # trainer at --trainer never signed: the arbiter would rule it a bad challenge.
             raise ConfigError(f"the auditor audited job {job_id.hex()} at trainer "
-                              f"{audited!r}, not at --trainer {args.trainer!r}; if both name "
-                              f"the same node, give the challenge with --challenge FILE")
+                              f"{', '.join(sorted(audited))!r}, not at --trainer "
+                              f"{args.trainer!r}; if both name the same node, give the "
+                              f"challenge with --challenge FILE")
         where = "the auditor's challenge"
     try:
         challenge = Challenge.from_bytes(bytes(data))

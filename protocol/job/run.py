@@ -38,6 +38,7 @@ from protocol.errors import (
     LogMismatchError,
     LogViolationError,
     ProofError,
+    RefusedError,
     StoreError,
 )
 from protocol.job.create import job_executor, job_workers
@@ -234,7 +235,8 @@ def begin_replay(store: JobStore, source: ClaimSource
     store is empty), and the first stored step that disagrees with the trainer (or None) with
     its reason; a stored replay of another commitment's logs is cut back first
     (`_first_mismatch`). Raises SignatureError for a commitment that does not verify,
-    StoreError for an S_0 that does not hash to h_0, and what `source` raises."""
+    StoreError for an S_0 that does not hash to h_0, RefusedError for a replay of another
+    commitment that the auditor has signed, and what `source` raises."""
     spec = store.spec
     trainer = source.commitment()
     trainer.verify(job_id=spec.job_id, role="trainer", n=spec.steps)
@@ -266,14 +268,25 @@ def _first_mismatch(store: JobStore, source: ClaimSource, upto: int):
     another commitment to the job (one this trainer served before, in an audit that failed):
     a challenge on that replay would name a leaf that the arbiter's re-execution of the
     trainer's own L_t answers for the trainer (SPEC §5.4: a false challenge). So the store is
-    cut back to step t - 1 (`JobStore.truncate`) and replays the trainer's L_t onwards. Leaf 0
-    is (0, h_0, the empty log's hash) by rule (SPEC §2), so any difference there is the
-    trainer's, a challenge of step 0. Raises what `source` and the store raise."""
+    cut back to step t - 1 (`JobStore.truncate`) and replays the trainer's L_t onwards —
+    unless the auditor has signed a commitment over step t: a challenge built on it must stay
+    provable (the arbiter questions the auditor under the commitment it signed), so that
+    replay is kept and this audit refused: the trainer has served two commitments to the job
+    that differ at step t. Leaf 0 is (0, h_0, the empty log's hash) by rule (SPEC §2), so any
+    difference there is the trainer's, a challenge of step 0. Raises RefusedError in the case
+    above, and what `source` and the store raise."""
     for leaf in store.leaves()[: upto + 1]:
         claimed = source.leaf(leaf.step)
         if leaf.step == 0 and leaf.log_hash != claimed.log_hash:
             return 0, "the trainer's leaf 0 does not hold the empty log's hash"
         if leaf.log_hash != claimed.log_hash:
+            signed = store.commitment()
+            if signed is not None and signed.commitment.n >= leaf.step:
+                raise RefusedError(
+                    f"the trainer's commitment to job {store.spec.job_id.hex()} holds another "
+                    f"rounding log at step {leaf.step} than the one this auditor replayed and "
+                    f"signed over {signed.commitment.n} steps: it has served two commitments "
+                    f"to the job, and the signed replay is kept for the first")
             store.truncate(leaf.step - 1)
             return None, None
         if leaf.state_hash != claimed.state_hash:

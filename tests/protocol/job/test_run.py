@@ -13,8 +13,9 @@ from protocol.commit.keys import KeyPair
 from protocol.commit.leaf import Leaf
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.profiles import Profile
+from protocol.errors import RefusedError
 from protocol.job.create import build_job
-from protocol.job.run import STATE_DIFFERS, StoreSource, begin_replay, run_job
+from protocol.job.run import STATE_DIFFERS, StoreSource, begin_replay, finish_replay, run_job
 from protocol.job.store import JobStore
 
 TINY = {"image_size": 8, "channels": 4, "batch_size": 8, "dataset_size": 64}
@@ -48,9 +49,12 @@ class Altered(StoreSource):
 @pytest.fixture
 def replayed(trained, tmp_path):
     """An auditor's store that replayed the honest trainer's leaves 0..STEPS (a copy: the same
-    leaves), as a failed audit leaves it."""
+    leaves), as a failed audit leaves it: nothing signed."""
     shutil.copytree(trained.dir, tmp_path / trained.dir.name)
-    return JobStore(tmp_path, trained.spec)
+    store = JobStore(tmp_path, trained.spec)
+    with store._db:  # (the trainer's own commitments, copied with its leaves)
+        store._db.execute("DELETE FROM commitments")
+    return store
 
 
 def test_a_stored_step_of_another_log_is_cut_back_not_challenged(trained, replayed):
@@ -61,6 +65,18 @@ def test_a_stored_step_of_another_log_is_cut_back_not_challenged(trained, replay
                                               Altered(trained, 3, log_hash=b"\x07" * 32))
     assert (last, divergent, reason) == (2, None, None)
     assert replayed.last_step() == 2
+
+
+def test_a_signed_replay_of_another_commitment_is_kept_and_the_audit_refused(trained,
+                                                                            replayed):
+    """Review 32, finding 1: the auditor signed its replay (a challenge may stand on it), and
+    the trainer then serves another ℓ_3. Cut back, the signed commitment and its leaves were
+    gone, and the auditor lost every dispute on it (its leaves unprovable under it)."""
+    signed = finish_replay(replayed, KeyPair.generate(), StoreSource(trained).commitment(),
+                           None, None).commitment
+    with pytest.raises(RefusedError, match="served two commitments"):
+        begin_replay(replayed, Altered(trained, 3, log_hash=b"\x07" * 32))
+    assert replayed.last_step() == STEPS and replayed.commitment() == signed
 
 
 def test_a_stored_step_of_the_trainers_log_and_another_state_is_its_divergence(trained,
