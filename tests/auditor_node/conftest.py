@@ -125,6 +125,16 @@ class Counting(ClaimsServicer):
         return [step for name, step in self.calls if name == call]
 
 
+def wait_finished(runner, job_id: bytes, timeout_s: float = 60.0):
+    """The job's status once its audit has finished, each change awaited at most `timeout_s`."""
+    status = runner.get(job_id)
+    while not status.finished:
+        newer = runner.wait(job_id, status.version, timeout_s)
+        assert newer.version > status.version, "no progress within the timeout"
+        status = newer
+    return status
+
+
 @contextlib.contextmanager
 def serve_claims(servicer: ClaimsServicer):
     """Serve `servicer` on 127.0.0.1 (ephemeral port); yields its address. Stopped on exit,

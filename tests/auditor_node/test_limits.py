@@ -18,7 +18,7 @@ from protocol.commit.keys import KeyPair
 from protocol.engine.profiles import Profile
 from protocol.errors import ResourceLimitError
 
-from .conftest import serve_claims
+from .conftest import serve_claims, wait_finished
 
 pytestmark = pytest.mark.network
 PROFILE = Profile.parse("cpu-1t")
@@ -64,24 +64,19 @@ def test_a_sampled_audit_refuses_a_job_beyond_max_steps(huge, tmp_path):
 
 def test_the_daemon_records_the_refusal_and_the_limit_is_the_operators(huge, tmp_path):
     spec, address = huge
-    runner = AuditRunner(tmp_path, KeyPair.generate(), PROFILE, max_steps=spec.steps)
-    runner.start()
-    try:
-        status = runner.submit(spec.job_id, address)
-        while not status.finished:
-            status = runner.wait(spec.job_id, status.version, 30)
-    finally:
-        runner.stop(timeout=30)
+    def audited(**limits):
+        runner = AuditRunner(tmp_path, KeyPair.generate(), PROFILE, **limits)
+        runner.start()
+        try:
+            runner.submit(spec.job_id, address)
+            return wait_finished(runner, spec.job_id, 30)
+        finally:
+            runner.stop(timeout=30)
+
     # let through, the audit goes on to ask for leaves, which this "trainer" does not serve
+    status = audited(max_steps=spec.steps)
     assert status.state == FAILED and "--max-steps" not in status.record.error
-    runner = AuditRunner(tmp_path, KeyPair.generate(), PROFILE)
-    runner.start()
-    try:
-        status = runner.submit(spec.job_id, address)
-        while not status.finished:
-            status = runner.wait(spec.job_id, status.version, 30)
-    finally:
-        runner.stop(timeout=30)
+    status = audited()
     assert status.state == FAILED and "--max-steps" in status.record.error
 
 

@@ -32,7 +32,7 @@ from protocol.job.run import run_job
 from protocol.job.store import JobStore
 from trainer_node.faults import TrainerFaults, _flip_entry
 
-from .conftest import TINY, serve_claims
+from .conftest import TINY, serve_claims, wait_finished
 
 pytestmark = pytest.mark.network
 STEPS, CHEAT, FLIPPED = 4, 4, 3  # the cheat at step 4; the decoy's other L_3
@@ -124,12 +124,8 @@ for _name in ("GetSpec", "GetCommitment", "GetLeaf", "GetLeaves", "GetLog", "Get
 
 
 def _audit(runner, job_id, address):
-    status = runner.submit(job_id, address)
-    while not status.finished:
-        newer = runner.wait(job_id, status.version, TIMEOUT_S)
-        assert newer.version > status.version, "no progress within the timeout"
-        status = newer
-    return status
+    runner.submit(job_id, address)
+    return wait_finished(runner, job_id, TIMEOUT_S)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from protocol.engine.profiles import Profile
 from protocol.errors import PeerError, RefusedError
 from protocol.job.store import SPEC_FILE
 
+from .conftest import wait_finished
+
 JOB = bytes(range(32))
 OTHER = bytes(32)
 TIMEOUT_S = 10.0
@@ -48,15 +50,6 @@ class Script:
 
 def runner_for(tmp_path, script) -> AuditRunner:
     return AuditRunner(tmp_path, KeyPair.generate(), Profile.parse("emulated-gpu"), audit=script)
-
-
-def wait_finished(runner, job_id):
-    status = runner.get(job_id)
-    while not status.finished:
-        newer = runner.wait(job_id, status.version, TIMEOUT_S)
-        assert newer.version > status.version, "no progress within the timeout"
-        status = newer
-    return status
 
 
 @pytest.fixture
