@@ -25,10 +25,9 @@ from protocol.codec.state import decode_state, load_safetensors
 from protocol.commit.commitments import Claim, SignedCommitment
 from protocol.commit.data import ProvenExample, prove_examples
 from protocol.engine.batches import batch_indices
-from protocol.engine.datasets import commit_examples
 from protocol.engine.profiles import Profile
 from protocol.errors import EncodingError, NoAnswer, OvtError, StateFormatError
-from protocol.job.create import job_executor, load_job_program
+from protocol.job.create import commit_job_examples, job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -160,9 +159,9 @@ class StoreParty:
             raise NoAnswer(f"the {self.role} cannot produce S_{step}: {err}") from None
 
     def batch(self, step: int, timeout_s: float) -> list[ProvenExample]:
-        program = load_job_program(self.store.spec, self.data_dir)
-        _, tree = commit_examples(program.dataset)
         spec = self.store.spec
+        program = load_job_program(spec, self.data_dir)
+        _, tree = commit_job_examples(spec, program)
         indices = batch_indices(spec.seed, len(program.dataset), program.batch_size, step)
         return prove_examples(program.dataset, tree, indices)
 

@@ -187,9 +187,9 @@ def run_audit(trainer_address: str, job_id: bytes, store_root: Path, key: KeyPai
     ProgramError if this machine's program source differs from the job's, ConfigError for a
     job whose data file is not in `data_dir` (or leaves it, or `data_dir` is None: checked
     before the job's store is made) or differs from the committed one, StoreError for a
-    damaged store, RefusedError for a store that replayed another commitment to the job
-    (`protocol.job.run.begin_replay`: a replay is resumed only as far as its leaves are this
-    trainer's); and whatever `progress` or `check_stop` raises (the audit then resumes from
+    damaged store, RefusedError for a store whose signed replay is of another commitment to
+    the job (`protocol.job.run.begin_replay`: an unsigned one is cut back and replayed again);
+    and whatever `progress` or `check_stop` raises (the audit then resumes from
     the store on the next call).
 
     `processes` > 1 replays the intervals between the trainer's checkpoints in that many

@@ -11,8 +11,8 @@ The file is a sequence of records, each a 4-byte big-endian length and canonical
 (`protocol.codec.canonical`). The first record is the trainer's signed commitment the leaves were
 verified against; each other one is `leaf_data(t, h_t, ℓ_t)`, the bytes leaf t hashes. The
 leaves are valid only under that commitment: when the trainer presents another, the file starts
-afresh. (The auditor's own replay is not: it goes on only as far as its stored leaves, ℓ_t
-included, are the new commitment's, `protocol.job.run.begin_replay`.) A torn or unreadable tail
+afresh. (The auditor's own replay is cut back to the last step whose stored leaf, ℓ_t
+included, is the new commitment's: `protocol.job.run.begin_replay`.) A torn or unreadable tail
 (a crash mid-append) is cut off when the file is opened.
 """
 

@@ -4,9 +4,9 @@
 that job at the same trainer (a failed audit is started again, and so is a sampled one when this
 runner audits in full: "sampled, not verified" is no verdict a full audit may join); a request
 naming another trainer is refused, unless the job's audit failed before its store was made
-(see `submit`). Each status
-change bumps the status's `version`, so `wait` can block until there is something new; the
-queue, its worker thread and the wake-ups are the daemons' shared `protocol.job.queue.JobQueue`.
+(see `submit`). Each status change bumps the status's `version`, so `wait` can block until
+there is something new; the queue, its worker thread and the wake-ups are the daemons' shared
+`protocol.job.queue.JobQueue`.
 
 The runner keeps two files per job in the auditor's store, both canonical bytes:
 `audit-request.ovt` (the trainer's address, written when the audit is queued) and `audit.ovt`
@@ -159,9 +159,9 @@ class AuditRunner:
         the job for its address would let anyone shut a job out of this node with one request
         to a dead address. Who reads an audit can tell whose it is (the report names its
         trainer, which the arbiter checks). (A trainer's own commitment to the job may change
-        between its audits: a replay made with another commitment's logs is replayed again,
-        `protocol.job.run.begin_replay`.) Raises RefusedError for another trainer,
-        ResourceLimitError when MAX_PENDING are waiting."""
+        between its audits: a replay made with another commitment's logs is replayed again
+        unless this auditor signed it, `protocol.job.run.begin_replay`.) Raises RefusedError
+        for another trainer, ResourceLimitError when MAX_PENDING are waiting."""
         with self._queue.lock:
             current = self._queue.get(job_id)
             if current is not None and current.trainer != trainer and \

@@ -30,7 +30,6 @@ from protocol.commit.commitments import SignedCommitment
 from protocol.commit.leaf import Leaf
 from protocol.commit.merkle import MerkleTree, verify_inclusion
 from protocol.engine.batches import batch_indices
-from protocol.engine.datasets import commit_examples
 from protocol.engine.profiles import Profile
 from protocol.errors import (
     NotFoundError,
@@ -40,7 +39,7 @@ from protocol.errors import (
     RefusedError,
     StateFormatError,
 )
-from protocol.job.create import job_executor, load_job_program
+from protocol.job.create import commit_job_examples, job_executor, load_job_program
 from protocol.job.spec import JobSpec
 from protocol.job.store import JobStore
 
@@ -207,7 +206,7 @@ class ClaimsServicer(ovt_pb2_grpc.ClaimsServicer):
             if spec.job_id not in self._data_trees:
                 program = load_job_program(spec, self.data_dir)
                 self._data_trees[spec.job_id] = (
-                    program.dataset, commit_examples(program.dataset)[1], program.batch_size)
+                    program.dataset, commit_job_examples(spec, program)[1], program.batch_size)
             return self._data_trees[spec.job_id]
 
     @staticmethod

@@ -311,14 +311,20 @@ def require_same_fields(source: ExampleSource, reference: ExampleSource, shown: 
                               f"window or the program's config to match)")
 
 
-def commit_examples(source: ExampleSource) -> tuple[DataCommitment, MerkleTree]:
+def commit_examples(source: ExampleSource, identity: tuple | None = None
+                    ) -> tuple[DataCommitment, MerkleTree]:
     """`commit_dataset(source)`, remembered for a file that has not changed since (its path,
-    device, inode, size and modification time; at most _CACHED_COMMITMENTS files), so a node
-    that loads a job again (to regenerate a state, to serve a batch) does not hash every example
-    of a large file again."""
-    if not isinstance(source, TokenFile | TensorFile):
+    device, inode, size and modification time), or for a source the caller names by an
+    `identity` that fixes its examples (a built-in program's own dataset: its name, source and
+    config); at most _CACHED_COMMITMENTS sources, the least recently used forgotten first. A
+    node loads a job again for every state it regenerates, batch it serves and interval it
+    escalates, and would hash every example again each time."""
+    if identity is not None:
+        key: tuple = ("identity", *identity)
+    elif isinstance(source, TokenFile | TensorFile):
+        key = _identity(source)
+    else:
         return commit_dataset(source)
-    key = _identity(source)
     with _cache_lock:
         if key in _commitments:
             _commitments.move_to_end(key)

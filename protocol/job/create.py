@@ -54,9 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import threading
 import tomllib
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -66,6 +64,7 @@ from protocol.codec.dtypes import DTYPES
 from protocol.codec.fields import abbrev
 from protocol.codec.state import state_digest
 from protocol.commit.data import DataCommitment
+from protocol.commit.merkle import MerkleTree
 from protocol.engine.dataparallel import Recipe, WorkerGroup, require_world
 from protocol.engine.datasets import (
     TOKENS,
@@ -97,9 +96,6 @@ DEFAULT_MAX_PARAMS = 2**28  # the largest built-in model a peer's spec may ask f
 # permutation of them all (about 40 bytes an example while it is made: 10 GiB at this bound),
 # from the count in the spec, a peer's: the arbiter, which reads no data file, only from it.
 MAX_EXAMPLES = 2**28
-# How many built-in datasets' commitments a process remembers (`_builtin_commitment`): the
-# (program, config) pairs of the jobs it has loaded lately; a few hundred bytes each.
-_CACHED_BUILTIN_DATA = 64
 _JOB_KEYS = {"program", "preset", "steps", "seed", "init_seed", "checkpoint_interval",
              "commit_interval", "micro_batches", "init_from", "config", "precision", "data"}
 _PRECISION_KEYS = {"compute", "target", "rules"}
@@ -177,8 +173,7 @@ def require_committed_data(spec: JobSpec, program: TrainingProgram, *,
 
     The count comes first, cheaply: it must be the dataset's and at most MAX_EXAMPLES (every
     party builds the data order from it). Then, with `read`, the root, from every example's
-    hash: a data file's remembered while the file is unchanged (`commit_examples`), a
-    built-in's for its program and config (`_builtin_commitment`), since a node loads a job
+    hash, remembered (`commit_job_examples`), since a node loads a job
     again for every regenerated state and escalated audit (0.01-0.6 s each for the bundled
     presets); `read=False` where the examples are not had (the arbiter's `AbsentExamples`) or
     not hashed here. `program` is `spec`'s as `load_job_program` loads it.
@@ -195,38 +190,23 @@ def require_committed_data(spec: JobSpec, program: TrainingProgram, *,
                           f"to {committed.count}")
     if not read:
         return
-    data = _builtin_commitment(spec, program) if spec.data_file is None and \
-        spec.program in BUILTIN else commit_examples(program.dataset)[0]
+    data, _ = commit_job_examples(spec, program)
     if data != committed:
         raise ConfigError(f"{shown} differs from the one this job committed to (its examples "
                           f"give root {abbrev(data.root)} over {data.count}, the job's is "
                           f"{abbrev(committed.root)} over {committed.count})")
 
 
-def _builtin_commitment(spec: JobSpec, program: TrainingProgram) -> DataCommitment:
-    """The commitment to `program`'s own dataset, the built-in `spec.program` under
-    `spec.config`, hashed once and remembered per program, source and config (at most
-    _CACHED_BUILTIN_DATA of them, the least recently used forgotten first). A built-in's
-    dataset is a function of its code (the source `spec` commits to, which
-    `check_program_source` checks) and its config alone, so its commitment cannot change while
-    this process runs. Whether it is `spec.data` the caller decides on every call: a root
-    remembered here is the examples', never a spec's, so a forged one is refused every time."""
-    key = digest({"program": spec.program, "source": spec.program_source_hash,
-                  "config": spec.config})
-    with _builtin_data_lock:
-        if key in _builtin_data:
-            _builtin_data.move_to_end(key)
-            return _builtin_data[key]
-    data, _ = commit_examples(program.dataset)  # outside the lock: other jobs need not wait
-    with _builtin_data_lock:
-        _builtin_data[key] = data
-        while len(_builtin_data) > _CACHED_BUILTIN_DATA:
-            _builtin_data.popitem(last=False)
-    return data
-
-
-_builtin_data: OrderedDict[bytes, DataCommitment] = OrderedDict()
-_builtin_data_lock = threading.Lock()
+def commit_job_examples(spec: JobSpec, program: TrainingProgram
+                        ) -> tuple[DataCommitment, MerkleTree]:
+    """The commitment to `program`'s examples (`spec`'s program as `load_job_program` loads
+    it) and its Merkle tree, remembered (`commit_examples`): a data file while it is unchanged,
+    a built-in's own dataset by its program, source and config — a function of its code (the
+    source `spec` commits to, which `check_program_source` checks) and its config alone. A user
+    program's own dataset is hashed each time (its code may read anything)."""
+    builtin = spec.data_file is None and spec.program in BUILTIN
+    return commit_examples(program.dataset, (spec.program, spec.program_source_hash,
+                                             digest(spec.config)) if builtin else None)
 
 
 def _require_example_count(examples: int, shown: str) -> None:

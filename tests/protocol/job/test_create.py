@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 import pytest
 
-from protocol.commit.data import DataCommitment
-from protocol.engine.datasets import DataFile, commit_examples
+from protocol.commit.data import DataCommitment, commit_dataset
+from protocol.engine.datasets import DataFile
 from protocol.engine.precision import PrecisionPolicy
 from protocol.engine.programs.registry import parameter_count
 from protocol.errors import ConfigError, ResourceLimitError
@@ -104,15 +104,16 @@ def test_a_job_of_more_than_max_examples_is_not_created(monkeypatch):
 
 
 def _counting_hashes(monkeypatch) -> list:
-    """A fresh cache of built-in datasets' commitments, and the datasets hashed from now on."""
-    monkeypatch.setattr("protocol.job.create._builtin_data", OrderedDict())
+    """A fresh cache of datasets' commitments (`commit_examples`), and the datasets hashed
+    from now on."""
+    monkeypatch.setattr("protocol.engine.datasets._commitments", OrderedDict())
     hashed: list = []
 
     def counted(source):
         hashed.append(source)
-        return commit_examples(source)
+        return commit_dataset(source)
 
-    monkeypatch.setattr("protocol.job.create.commit_examples", counted)
+    monkeypatch.setattr("protocol.engine.datasets.commit_dataset", counted)
     return hashed
 
 
@@ -152,7 +153,7 @@ def test_a_built_in_jobs_dataset_is_hashed_once_and_a_forged_root_still_refused(
 
 def test_a_process_remembers_a_bounded_number_of_built_in_datasets(spec, monkeypatch):
     hashed = _counting_hashes(monkeypatch)
-    monkeypatch.setattr("protocol.job.create._CACHED_BUILTIN_DATA", 2)
+    monkeypatch.setattr("protocol.engine.datasets._CACHED_COMMITMENTS", 2)
     for size in (64, 72, 80, 64, 80):  # 64 is forgotten when 80 is remembered
         with pytest.raises(ConfigError, match="differs from the one this job committed to"):
             load_job_program(_sized(spec, size, root=b"\x11" * 32))
